@@ -1,7 +1,32 @@
-"""keras_accum: micro-batch training for Keras 3 on TensorFlow."""
+"""keras_accum: micro-batch training for Keras 3 on TensorFlow.
+
+Three optimizers, each usable with `model.compile(optimizer=...)`:
+
+* `GradientAccumulation(optimizer, steps)`: weighted mean of micro-batch
+  gradients, one step of any Keras optimizer per window.
+* `UpdateAccumulationAdam(learning_rate, steps)`: Adam's moments see every
+  micro-batch; the summed updates are applied every `steps` micro-batches.
+* `InvariantAdam(learning_rate, steps)`: batch-size invariant Adam.
+
+`scale_hyperparameters` gives the learning rate and betas for a new number
+of micro-batches per update.
+"""
 
 import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402
+from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
+from keras_accum.scaling import scale_hyperparameters  # noqa: E402
+from keras_accum.update_accumulation_adam import (  # noqa: E402
+    UpdateAccumulationAdam,
+)
+
 __version__ = "0.1.0"
+__all__ = [
+    "GradientAccumulation",
+    "InvariantAdam",
+    "UpdateAccumulationAdam",
+    "scale_hyperparameters",
+]

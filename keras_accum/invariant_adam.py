@@ -1,0 +1,159 @@
+"""Batch-size invariant Adam (Wang & Aitchison 2024, arXiv:2402.18824)."""
+
+import tensorflow as tf
+from keras import saving
+
+from keras_accum import base
+
+
+@saving.register_keras_serializable(package="keras_accum")
+class InvariantAdam(base.AdamFamily):
+    """Adam whose second moment averages *squared* micro-batch gradients.
+
+    With kappa micro-batches per update (kappa = steps x replicas in sync)
+    and micro-batch mean gradients g_j, update k does:
+
+        m = beta_1 * m + (1 - beta_1) * (1/kappa) * sum_j g_j
+        v = beta_2 * v + (1 - beta_2) * (1/kappa) * sum_j g_j**2
+        alpha_k = lr * sqrt(1 - beta_2**k) / (1 - beta_1**k)
+        theta = theta - alpha_k * m / (sqrt(v) + epsilon)
+
+    Standard accumulation squares the averaged gradient, and
+    E[(mean g)^2] = |G|^2 + sigma^2/kappa depends on kappa; here
+    E[mean(g^2)] = |G|^2 + sigma^2 does not. Holding the micro-batch size
+    fixed and scaling `learning_rate` and `1 - beta_i` linearly with kappa
+    (`keras_accum.scale_hyperparameters(rule="invariant")`), training curves
+    versus examples seen stay the same when kappa changes (for small enough
+    learning rates).
+
+    No buffer beyond Adam's two moments: each micro-batch is folded into m
+    and v as it arrives (the first of a window also applies the decay), and
+    only the last one moves theta. Under `tf.distribute`, every replica's
+    gradient is a micro-batch and is squared before the cross-replica mean;
+    m and v are replica-local sums that are reduced once per window.
+
+    Conventions:
+    * epsilon sits outside the square root as in `keras.optimizers.Adam`, so
+      that `steps=1` on one replica is exactly Keras Adam. The authors' code
+      (github.com/xidulu/batch_size_invariant_adamW) puts it inside
+      (`sqrt(v + eps)`, eps=1e-16).
+    * Gradients arrive in the Keras convention (each replica's share of the
+      global mean, i.e. g_r / replicas); the factor is undone before
+      squaring, which assumes equal micro-batches on all replicas.
+    * `nonfinite="skip_micro_batch"` counts a non-finite micro-batch as a
+      zero gradient in its window's averages (the fold cannot renormalise
+      without extra buffers); `"skip_window"` is therefore not offered.
+    * `weight_decay` is decoupled (AdamW style), applied once per update.
+
+    Args:
+        learning_rate: float, schedule (sees the update count) or callable.
+        beta_1, beta_2, epsilon: as in `keras.optimizers.Adam`.
+        steps: micro-batches per update on each replica (integer >= 1).
+        nonfinite: `"skip_micro_batch"`, `"raise"` or None.
+        weight_decay: optional decoupled weight decay.
+        name: optimizer name.
+    """
+
+    def __init__(self, *args, name="invariant_adam", **kwargs):
+        if kwargs.get("nonfinite") == "skip_window":
+            raise ValueError(
+                "InvariantAdam folds each micro-batch into its moments and "
+                "cannot drop a window afterwards; use 'skip_micro_batch' or "
+                "'raise'. Received: nonfinite='skip_window'"
+            )
+        super().__init__(*args, name=name, **kwargs)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._momentums, self._velocities = [], []
+        for var in var_list:
+            self._momentums.append(
+                self.add_local_variable(
+                    var.shape, var.dtype, "momentum", reference=var
+                )
+            )
+            self._velocities.append(
+                self.add_local_variable(
+                    var.shape, var.dtype, "velocity", reference=var
+                )
+            )
+
+    def _accumulate(self, distribution, grads, variables, weight, start):
+        distribution.extended.call_for_each_replica(
+            self._fold, args=(grads, variables, start)
+        )
+
+    def _fold(self, grads, variables, start):
+        # Replica context, replica-local moments: no communication.
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        moments = [
+            (self._momentums[i], self._velocities[i])
+            for i in map(self._get_variable_index, variables)
+        ]
+
+        def fold(grads, first):
+            for g, (m, v) in zip(grads, moments):
+                g = tf.cast(base.dense(g), m.dtype)
+                # Micro-batch j of the window contributes g_j / kappa to the
+                # mean gradient; with g = g_r / replicas that is g / steps.
+                mean_part = g if self.steps == 1 else g / self.steps
+                # ... and g_j**2 / kappa = g**2 * replicas / steps to the mean
+                # squared gradient (the replica factor undone before squaring).
+                square_part = tf.square(g)
+                if replicas != self.steps:
+                    square_part = square_part * (replicas / self.steps)
+                if first:
+                    # m = beta_1 m + (1 - beta_1) g_j / kappa (Keras's form)
+                    self.assign_add(m, (mean_part - m) * (1 - self.beta_1))
+                    self.assign_add(v, (square_part - v) * (1 - self.beta_2))
+                else:
+                    # m += (1 - beta_1) g_j / kappa
+                    self.assign_add(m, mean_part * (1 - self.beta_1))
+                    self.assign_add(v, square_part * (1 - self.beta_2))
+
+        def fold_either(grads):
+            if self.steps == 1:
+                fold(grads, first=True)
+            else:
+                tf.cond(
+                    start,
+                    lambda: fold(grads, first=True),
+                    lambda: fold(grads, first=False),
+                )
+
+        # A skipped micro-batch is a zero gradient: the window's decay of m
+        # and v still happens when it is the first.
+        self._guarded(
+            grads,
+            fold_either,
+            skip=lambda: fold_either([tf.zeros_like(g) for g in grads]),
+        )
+
+    def _update(self, distribution, variables):
+        learning_rate = self.learning_rate
+        update_count = self._iterations + 1
+        replicated = distribution.num_replicas_in_sync > 1
+        for var in variables:
+            index = self._get_variable_index(var)
+            m, v = self._momentums[index], self._velocities[index]
+            # Cross-replica read of the replica-local moments = their sum.
+            m_total = base.read_total(m) if replicated else m.value
+            v_total = base.read_total(v) if replicated else v.value
+            distribution.extended.update(
+                var.value,
+                self._apply_moments,
+                args=(m_total, v_total, learning_rate, update_count),
+                group=False,
+            )
+            if replicated:
+                # Spread the totals back evenly over the replicas.
+                m.assign(m_total)
+                v.assign(v_total)
+
+    def _apply_moments(self, variable, m, v, learning_rate, update_count):
+        alpha = self._adam_alpha(learning_rate, update_count, variable.dtype)
+        self._decay(variable, tf.cast(learning_rate, variable.dtype))
+        # theta = theta - alpha_k m / (sqrt(v) + epsilon)
+        variable.assign_sub((m * alpha) / (tf.sqrt(v) + self.epsilon))
