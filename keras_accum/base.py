@@ -285,6 +285,20 @@ class AccumulationOptimizer(optimizers.Optimizer):
     def _after_window(self, distribution):
         pass
 
+    def load_own_variables(self, store):
+        # Keras skips loading, with a mere warning, when the saved optimizer
+        # has another number of variables (e.g. a changed `steps`): the run
+        # would silently restart its moments and lose the window in progress.
+        if len(store.keys()) != len(self.variables):
+            raise ValueError(
+                f"Cannot restore optimizer '{self.name}': it has "
+                f"{len(self.variables)} variables, the saved state has "
+                f"{len(store.keys())}. Was it saved with another `steps` or "
+                "another optimizer? Rebuild it as saved, or load the model "
+                "without its optimizer (`compile=False`)."
+            )
+        super().load_own_variables(store)
+
     def _check_unsupported(self, kwargs, names):
         """Refuses base-optimizer arguments this algorithm does not honour."""
         for name in names:

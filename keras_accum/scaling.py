@@ -62,7 +62,8 @@ def scale_hyperparameters(
     else:
         scaled_betas = {}
         for name, beta in betas.items():
-            if kappa * (1 - beta) >= 1:
+            # With a rounding margin: 10 * (1 - 0.9) is 0.9999999999999998.
+            if kappa * (1 - beta) >= 1 - 1e-9:
                 raise ValueError(
                     f"kappa * (1 - {name}) = {kappa * (1 - beta):g} >= 1 makes "
                     f"the linear rule meaningless ({name} <= 0). Use "

@@ -1,0 +1,159 @@
+"""model.fit on one device and under MirroredStrategy; save/load mid-window.
+
+tests/conftest.py gives two logical CPUs, so the mirrored runs have two
+replicas. A mirrored window of `steps` calls holds 2 * steps micro-batches;
+the one-device reference is fed the same micro-batches one per call.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_accum as ka
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(48, 5)).astype("float32")
+Y = RNG.normal(size=(48, 2)).astype("float32")
+
+
+def build_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+         keras.layers.Dense(2)]
+    )
+
+
+def fit(make_optimizer, batch_size, strategy=None, x=X, y=Y):
+    strategy = strategy or tf.distribute.get_strategy()
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer=make_optimizer(), loss="mse")
+    model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+def mirrored():
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+CASES = {
+    # name: (optimizer for one device, for two replicas, one-device batch)
+    "gradient_accumulation": (
+        lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4),
+        lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2),
+        4),
+    "gradient_accumulation_clipped": (
+        lambda: ka.GradientAccumulation(
+            keras.optimizers.SGD(0.1, global_clipnorm=0.05), steps=4),
+        lambda: ka.GradientAccumulation(
+            keras.optimizers.SGD(0.1, global_clipnorm=0.05), steps=2),
+        4),
+    "invariant_adam": (
+        lambda: ka.InvariantAdam(0.01, steps=4),
+        lambda: ka.InvariantAdam(0.01, steps=2),
+        4),
+    # Replicas share the moments: a mirrored micro-step is the replica-mean
+    # gradient of the global batch, so the reference sees global batches.
+    "update_accumulation_adam": (
+        lambda: ka.UpdateAccumulationAdam(0.01, steps=2),
+        lambda: ka.UpdateAccumulationAdam(0.01, steps=2),
+        8),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_mirrored_fit_equals_one_device(name):
+    one, two, batch = CASES[name]
+    reference = fit(one, batch)
+    model = fit(two, 8, mirrored())
+    assert model.optimizer.iterations.numpy() == 6
+    assert reference.optimizer.iterations.numpy() == 6
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mirrored_skips_non_finite_micro_batch_of_one_replica():
+    x = X.copy()
+    x[5] = np.nan  # second micro-batch: replica 1 of the first global batch
+    one = lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4)
+    two = lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2)
+    reference = fit(one, 4, x=x)
+    model = fit(two, 8, mirrored(), x=x)
+    assert int(model.optimizer.skipped_micro_batches.numpy()) == 2  # 2 epochs
+    assert int(reference.optimizer.skipped_micro_batches.numpy()) == 2
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+MAKERS = {
+    "gradient_accumulation": lambda: ka.GradientAccumulation(
+        keras.optimizers.AdamW(0.01, weight_decay=0.01), steps=4),
+    "invariant_adam": lambda: ka.InvariantAdam(0.01, steps=4),
+    "update_accumulation_adam": lambda: ka.UpdateAccumulationAdam(0.01, steps=4),
+}
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_save_and_load_mid_window_continues_exactly(name, tmp_path):
+    first, rest = (X[:8], Y[:8]), (X[8:24], Y[8:24])  # 2 then 4 micro-batches
+    model = build_model()
+    model.compile(optimizer=MAKERS[name](), loss="mse")
+    model.fit(*first, batch_size=4, shuffle=False, verbose=0)
+    assert int(model.optimizer.micro_step) == 2  # mid-window
+    path = str(tmp_path / "mid_window.keras")
+    model.save(path)
+    model.fit(*rest, batch_size=4, shuffle=False, verbose=0)
+
+    restored = keras.models.load_model(path)
+    assert type(restored.optimizer) is type(model.optimizer)
+    assert int(restored.optimizer.micro_step) == 2
+    restored.fit(*rest, batch_size=4, shuffle=False, verbose=0)
+    assert int(restored.optimizer.iterations) == int(model.optimizer.iterations)
+    for a, b in zip(restored.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_loading_state_saved_with_other_steps_is_an_error(tmp_path):
+    model = build_model()
+    model.compile(optimizer=ka.UpdateAccumulationAdam(steps=1), loss="mse")
+    model.fit(X[:8], Y[:8], batch_size=4, verbose=0)
+    path = str(tmp_path / "steps1.keras")
+    model.save(path)
+    other = build_model()
+    other.compile(optimizer=ka.UpdateAccumulationAdam(steps=4), loss="mse")
+    other.optimizer.build(other.trainable_variables)
+    with pytest.raises(ValueError, match="saved with another `steps`"):
+        other.optimizer.load_own_variables(
+            {str(i): v.numpy() for i, v in enumerate(model.optimizer.variables)}
+        )
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_config_round_trip(name):
+    optimizer = MAKERS[name]()
+    config = optimizer.get_config()
+    clone = type(optimizer).from_config(config)
+    assert clone.get_config() == config
+    serialized = keras.optimizers.serialize(optimizer)
+    assert keras.optimizers.deserialize(serialized).get_config() == config
+
+
+def test_config_round_trip_keeps_every_argument():
+    optimizer = ka.InvariantAdam(
+        learning_rate=0.003, beta_1=0.5, beta_2=0.9, epsilon=1e-5, steps=3,
+        nonfinite="raise", weight_decay=0.2, name="inv")
+    config = optimizer.get_config()
+    for key, value in dict(learning_rate=0.003, beta_1=0.5, beta_2=0.9,
+                           epsilon=1e-5, steps=3, nonfinite="raise",
+                           weight_decay=0.2, name="inv").items():
+        assert config[key] == pytest.approx(value) if isinstance(value, float) \
+            else config[key] == value
+    wrapped = ka.GradientAccumulation(
+        keras.optimizers.SGD(0.5, momentum=0.7), steps=5,
+        nonfinite="skip_window", name="ga")
+    clone = ka.GradientAccumulation.from_config(wrapped.get_config())
+    assert (clone.steps, clone.nonfinite, clone.name) == (5, "skip_window", "ga")
+    assert clone.inner_optimizer.momentum == 0.7

@@ -1,0 +1,88 @@
+"""UpdateAccumulationAdam: numpy reference and Keras Adam at steps = 1."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_accum as ka
+
+
+def np_update_accumulation_adam(theta, targets, steps, lr, b1=0.9, b2=0.999,
+                                eps=1e-7):
+    """Loss 0.5 |theta - target_t|^2 per micro-batch, in float64. Returns
+    theta after each micro-step."""
+    m = v = acc = np.zeros_like(theta)
+    history = []
+    for t, target in enumerate(targets, start=1):
+        g = theta - target  # taken at the stale theta of the window
+        m = m + (g - m) * (1 - b1)
+        v = v + (g * g - v) * (1 - b2)
+        acc = acc + lr * np.sqrt(1 - b2**t) / (1 - b1**t) * m / (np.sqrt(v) + eps)
+        if t % steps == 0:
+            theta, acc = theta - acc, np.zeros_like(theta)
+        history.append(theta)
+    return history
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_matches_numpy_reference(steps):
+    rng = np.random.default_rng(steps)
+    targets = rng.normal(size=(4 * steps, 6))
+    theta = rng.normal(size=6)
+    expected = np_update_accumulation_adam(theta, targets, steps, 0.05)
+    var = keras.Variable(theta.astype("float32"))
+    opt = ka.UpdateAccumulationAdam(0.05, steps=steps)
+    for target, want in zip(targets, expected):
+        opt.apply([var - target.astype("float32")], [var])
+        np.testing.assert_allclose(var.numpy(), want, rtol=1e-5, atol=1e-5)
+    assert int(opt.iterations) == 4
+
+
+def test_steps_1_is_keras_adam_bit_for_bit():
+    rng = np.random.default_rng(0)
+    init = rng.normal(size=(5,)).astype("float32")
+    ours, theirs = keras.Variable(init), keras.Variable(init)
+    opt = ka.UpdateAccumulationAdam(0.01)
+    ref = keras.optimizers.Adam(0.01)
+    for _ in range(10):
+        g = tf.constant(rng.normal(size=5), "float32")
+        opt.apply([g], [ours])
+        ref.apply([g], [theirs])
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+def test_one_extra_buffer_only_when_accumulating():
+    var = keras.Variable(np.zeros(7, "float32"))
+    for steps, slots in [(1, 2), (4, 3)]:
+        opt = ka.UpdateAccumulationAdam(steps=steps)
+        opt.build([var])
+        assert sum(int(np.prod(v.shape)) for v in opt.variables
+                   if len(v.shape)) == slots * 7
+
+
+def test_skip_window_keeps_theta_and_moments_finite():
+    var = keras.Variable(np.ones(2, "float32"))
+    opt = ka.UpdateAccumulationAdam(0.1, steps=2, nonfinite="skip_window")
+    opt.apply([tf.constant([1.0, 1.0])], [var])
+    opt.apply([tf.constant([np.nan, 1.0])], [var])
+    np.testing.assert_array_equal(var.numpy(), [1.0, 1.0])
+    assert int(opt.skipped_updates) == 1
+    assert int(opt.skipped_micro_batches.numpy()) == 1
+    assert all(np.all(np.isfinite(v.numpy())) for v in opt.variables)
+    # The next window applies normally.
+    opt.apply([tf.constant([1.0, 1.0])], [var])
+    opt.apply([tf.constant([1.0, 1.0])], [var])
+    assert np.all(var.numpy() < 1.0) and int(opt.iterations) == 1
+
+
+def test_skip_micro_batch_leaves_moments_untouched():
+    var = keras.Variable(np.ones(2, "float32"))
+    opt = ka.UpdateAccumulationAdam(0.1, steps=2)
+    opt.apply([tf.constant([1.0, 1.0])], [var])
+    moments = [v.numpy().copy() for v in opt._momentums + opt._velocities]
+    opt.apply([tf.constant([np.inf, 1.0])], [var])
+    for before, after in zip(moments, opt._momentums + opt._velocities):
+        np.testing.assert_array_equal(after.numpy(), before)
+    assert int(opt.skipped_micro_batches.numpy()) == 1
+    assert int(opt.iterations) == 1  # the window's one good step applied
