@@ -5,8 +5,8 @@ Sigma the per-example gradient covariance. It is estimated from squared
 gradient norms at two batch sizes, b (a micro-batch) and B = kappa * b (the
 whole window of kappa micro-batches with mean gradients g_1..g_kappa):
 
-    |g_b|^2    = mean_j |g_j|^2          (small batch, averaged over the window)
-    |g_B|^2    = |mean_j g_j|^2          (big batch)
+    |g_b|^2    = mean_j |g_j|^2      (small batch, averaged over the window)
+    |g_B|^2    = |mean_j g_j|^2      (big batch)
     |G|^2 est  = (B |g_B|^2 - b |g_b|^2) / (B - b)
     tr(Sigma)  = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
     B_simple   = EMA(tr(Sigma)) / EMA(|G|^2)     (smooth each, then divide)
@@ -27,8 +27,9 @@ Example:
     tracker.update_from_micro_grads([grads_1, grads_2, grads_3], 32)
     print(float(tracker.b_simple))
 
-or, with `model.fit`, `NoiseScaleCallback((x_probe, y_probe), micro_batch_size=32,
-kappa=8)`, which logs `noise_scale`, `trace_sigma` and `grad_sq_norm`.
+or, with `model.fit`, `NoiseScaleCallback((x_probe, y_probe),
+micro_batch_size=32, kappa=8)`, which logs `noise_scale`, `trace_sigma` and
+`grad_sq_norm`.
 """
 
 import numpy as np
@@ -117,7 +118,7 @@ class GradientNoiseScale(tf.Module):
     `b_simple` = trace_sigma / g2 (the bias corrections cancel). When the
     smoothed |G|^2 is <= 0 the signal is not resolved above the noise and
     `b_simple` is +inf: never a clipped or negative number. `trace_sigma`
-    and `g2` keep the raw smoothed values for inspection.
+    and `g2` give the smoothed values as they are, signs included.
 
     Args:
         ema: decay in [0, 1); 0 keeps only the last window.
@@ -213,12 +214,18 @@ class NoiseScaleCallback(keras.callbacks.Callback):
     batch), run in a `tf.while_loop`, one micro-batch at a time, traced once.
     Memory added: one parameter-sized buffer for the running sum of the
     micro-batch gradients plus a few scalars (and, transiently, one copy of
-    the non-trainable and metric variables, see below). No parameter moves.
+    the non-trainable and metric variables, see below: large if a frozen
+    backbone's weights are among them). No parameter moves.
 
     Side effects are undone: the forward passes run with `training=True`
     (dropout on, batch norm in batch mode, as in `train_step`), and the
     non-trainable variables (batch norm statistics, RNG seeds) and metric
     variables are restored after each probe.
+
+    Under `tf.distribute.MirroredStrategy` the probe runs, like every
+    callback of `fit`, outside the strategy scope, in cross-replica context:
+    whole micro-batches on one device, the same numbers as without the
+    strategy. Calling `probe_fn` inside the scope is not supported.
 
     Args:
         data: `(x, y)` or `(x, y, sample_weight)` arrays with at least
@@ -226,8 +233,10 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             without replacement. Or a `tf.data.Dataset` of such batches
             (each with at least kappa * b examples; the first kappa * b are
             used), repeated as needed.
-        micro_batch_size: b. kappa: micro-batches per probe (>= 2), B = kappa*b.
-        every_n_batches: probe period in training batches.
+        micro_batch_size: b.
+        kappa: micro-batches per probe (>= 2); B = kappa * b.
+        every_n_batches: probe period, in `on_train_batch_end` calls (one per
+            `steps_per_execution` steps).
         ema: decay of the tracker's EMAs. seed: for the array draws.
     """
 
@@ -315,4 +324,5 @@ class NoiseScaleCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs.update({k: float(v) for k, v in self.tracker.result().items()})
+            logs.update({k: float(v)
+                         for k, v in self.tracker.result().items()})
