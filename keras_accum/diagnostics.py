@@ -1,0 +1,328 @@
+"""Gradient noise scale B_simple (McCandlish et al. 2018, arXiv:1812.06162).
+
+B_simple = tr(Sigma) / |G|^2, where G is the true (full-data) gradient and
+Sigma the per-example gradient covariance. It is estimated from squared
+gradient norms at two batch sizes, b (a micro-batch) and B = kappa * b (the
+whole window of kappa micro-batches with mean gradients g_1..g_kappa):
+
+    |g_b|^2    = mean_j |g_j|^2      (small batch, averaged over the window)
+    |g_B|^2    = |mean_j g_j|^2      (big batch)
+    |G|^2 est  = (B |g_B|^2 - b |g_b|^2) / (B - b)
+    tr(Sigma)  = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+    B_simple   = EMA(tr(Sigma)) / EMA(|G|^2)     (smooth each, then divide)
+
+Both estimates are unbiased since E|g_b|^2 = |G|^2 + tr(Sigma)/b, but noisy:
+one window's |G|^2 estimate can be negative, hence the smoothing before the
+division.
+
+How to read it: B_simple is the batch size at which the gradient noise equals
+the signal. Batch sizes well below B_simple waste steps (each step is mostly
+noise, so doubling the batch nearly halves the steps needed); batch sizes well
+above it waste examples (the extra examples barely improve the step). The
+critical batch size is typically of the order of B_simple.
+
+Example:
+
+    tracker = GradientNoiseScale(ema=0.95)
+    tracker.update_from_micro_grads([grads_1, grads_2, grads_3], 32)
+    print(float(tracker.b_simple))
+
+or, with `model.fit`, `NoiseScaleCallback((x_probe, y_probe),
+micro_batch_size=32, kappa=8)`, which logs `noise_scale`, `trace_sigma` and
+`grad_sq_norm`.
+"""
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+
+def _sq_norm_one(g):
+    if g is None:
+        return tf.constant(0.0, tf.float32)
+    if isinstance(g, tf.IndexedSlices):
+        # Rows with repeated indices add up in the dense gradient: sum them
+        # per row before squaring, |a + b|^2 != |a|^2 + |b|^2.
+        unique, pos = tf.unique(g.indices)
+        g = tf.math.unsorted_segment_sum(g.values, pos, tf.shape(unique)[0])
+    return tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+
+
+def squared_norm(grads):
+    """Sum of squared entries of a list of gradients, as float32.
+
+    `None` entries count as zero; `tf.IndexedSlices` count as their dense
+    equivalent (duplicate indices summed).
+    """
+    return tf.add_n([_sq_norm_one(g) for g in grads] or [tf.constant(0.0)])
+
+
+def _check_sizes(small_batch, big_batch):
+    b, B = tf.get_static_value(small_batch), tf.get_static_value(big_batch)
+    if b is not None and not b > 0:
+        raise ValueError(
+            f"`small_batch` must be > 0. Received: small_batch={b}"
+        )
+    if b is not None and B is not None and not B > b:
+        raise ValueError(
+            "`big_batch` must be > `small_batch`. Received: "
+            f"small_batch={b}, big_batch={B}"
+        )
+
+
+def noise_scale_estimates(small_sq_norm, big_sq_norm, small_batch, big_batch):
+    """Unbiased one-window estimates `(|G|^2, tr(Sigma))`.
+
+    Args:
+        small_sq_norm: |g_b|^2, mean squared norm of the micro-batch gradients.
+        big_sq_norm: |g_B|^2, squared norm of the window's mean gradient.
+        small_batch: b. big_batch: B. Checked `B > b > 0` when their values
+            are known at trace time (Python numbers, constants, eager).
+    """
+    _check_sizes(small_batch, big_batch)
+    s = tf.cast(small_sq_norm, tf.float32)
+    g = tf.cast(big_sq_norm, tf.float32)
+    b = tf.cast(small_batch, tf.float32)
+    B = tf.cast(big_batch, tf.float32)
+    # |G|^2 = (B |g_B|^2 - b |g_b|^2) / (B - b)
+    g2 = (B * g - b * s) / (B - b)
+    # tr(Sigma) = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+    trace = (s - g) / (1.0 / b - 1.0 / B)
+    return g2, trace
+
+
+def _mean_grad(column):
+    """Mean of one variable's gradients over the micro-batches."""
+    column = [g for g in column if g is not None]
+    if not column:
+        return None
+    if all(isinstance(g, tf.IndexedSlices) for g in column):
+        # Concatenation is the sparse sum; squared_norm merges the duplicates.
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in column], 0) / len(column),
+            tf.concat([g.indices for g in column], 0),
+            column[0].dense_shape,
+        )
+    return tf.add_n([tf.convert_to_tensor(g) for g in column]) / len(column)
+
+
+class GradientNoiseScale(tf.Module):
+    """Running B_simple from bias-corrected EMAs of |G|^2 and tr(Sigma).
+
+    State (float32 variables, checkpointable with `tf.train.Checkpoint`):
+    `updates` (windows seen), `trace_sigma_acc` and `g2_acc` (raw EMAs,
+    acc = ema * acc + (1 - ema) * x, starting from 0). Reported values are
+    bias-corrected, acc / (1 - ema**updates), as in Adam, so the first
+    windows are not pulled towards 0. Before any update all results are nan.
+
+    `b_simple` = trace_sigma / g2 (the bias corrections cancel). When the
+    smoothed |G|^2 is <= 0 the signal is not resolved above the noise and
+    `b_simple` is +inf: never a clipped or negative number. `trace_sigma`
+    and `g2` give the smoothed values as they are, signs included.
+
+    Args:
+        ema: decay in [0, 1); 0 keeps only the last window.
+    """
+
+    def __init__(self, ema=0.95, name=None):
+        super().__init__(name=name)
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"`ema` must be in [0, 1). Received: ema={ema}")
+        self.ema = float(ema)
+        with self.name_scope:
+            self.updates = tf.Variable(0, dtype=tf.int64, name="updates",
+                                       trainable=False)
+            self.trace_sigma_acc = tf.Variable(0.0, name="trace_sigma_acc",
+                                               trainable=False)
+            self.g2_acc = tf.Variable(0.0, name="g2_acc", trainable=False)
+
+    def update(self, micro_grads_sq_norm_mean, window_grad_sq_norm,
+               micro_batch_size, window_size):
+        """Feeds one window: |g_b|^2, |g_B|^2, b, B. Returns `b_simple`."""
+        g2, trace = noise_scale_estimates(
+            micro_grads_sq_norm_mean, window_grad_sq_norm,
+            micro_batch_size, window_size)
+        # acc = ema * acc + (1 - ema) * x
+        self.trace_sigma_acc.assign_add((1.0 - self.ema)
+                                        * (trace - self.trace_sigma_acc))
+        self.g2_acc.assign_add((1.0 - self.ema) * (g2 - self.g2_acc))
+        self.updates.assign_add(1)
+        return self.b_simple
+
+    def update_from_micro_grads(self, micro_grads, micro_batch_size):
+        """Feeds one window from explicit gradients.
+
+        Args:
+            micro_grads: list of kappa >= 2 gradient lists (one per
+                micro-batch, same variables in the same order), each the mean
+                gradient over `micro_batch_size` examples.
+        """
+        kappa = len(micro_grads)
+        if kappa < 2:
+            raise ValueError("`micro_grads` needs at least 2 micro-batches. "
+                             f"Received: len(micro_grads)={kappa}")
+        small = tf.add_n([squared_norm(g) for g in micro_grads]) / kappa
+        big = squared_norm([_mean_grad(col) for col in zip(*micro_grads)])
+        return self.update(small, big, micro_batch_size,
+                           kappa * micro_batch_size)
+
+    def _correction(self):
+        # 1 - ema**t; 0 before any update, which makes every result nan.
+        return 1.0 - tf.pow(self.ema, tf.cast(self.updates, tf.float32))
+
+    @property
+    def trace_sigma(self):
+        return self.trace_sigma_acc / self._correction()
+
+    @property
+    def g2(self):
+        return self.g2_acc / self._correction()
+
+    @property
+    def b_simple(self):
+        ratio = tf.math.divide_no_nan(self.trace_sigma_acc, self.g2_acc)
+        ratio = tf.where(self.g2_acc > 0, ratio, float("inf"))
+        return tf.where(self.updates > 0, ratio, float("nan"))
+
+    def result(self):
+        """Dict with `noise_scale`, `trace_sigma`, `grad_sq_norm` tensors."""
+        return {"noise_scale": self.b_simple, "trace_sigma": self.trace_sigma,
+                "grad_sq_norm": self.g2}
+
+
+def _map(fn, struct):
+    """`tf.nest.map_structure` that leaves `None` (no sample weight) alone."""
+    return tf.nest.map_structure(lambda t: None if t is None else fn(t),
+                                 struct)
+
+
+class NoiseScaleCallback(keras.callbacks.Callback):
+    """Estimates B_simple during `model.fit` from a probe batch.
+
+    Every `every_n_batches` training batches (counted across epochs) it takes
+    kappa * b probe examples, splits them into kappa micro-batches of b,
+    computes each micro-batch's gradient of the compiled loss
+    (`model.compute_loss`, including regularisation losses) and feeds a
+    `GradientNoiseScale`. At each epoch end it writes the current
+    `noise_scale` (B_simple), `trace_sigma` and `grad_sq_norm` (|G|^2) into
+    the epoch logs, so they reach `History`; put this callback before a
+    `CSVLogger` in the list so the logger sees them. They are nan until the
+    first probe has run.
+
+    Cost: each probe is kappa extra forward/backward passes on b examples
+    (one training step's worth of compute when kappa * b equals the training
+    batch), run in a `tf.while_loop`, one micro-batch at a time, traced once.
+    Memory added: one parameter-sized buffer for the running sum of the
+    micro-batch gradients plus a few scalars (and, transiently, one copy of
+    the non-trainable and metric variables, see below: large if a frozen
+    backbone's weights are among them). No parameter moves.
+
+    Side effects are undone: the forward passes run with `training=True`
+    (dropout on, batch norm in batch mode, as in `train_step`), and the
+    non-trainable variables (batch norm statistics, RNG seeds) and metric
+    variables are restored after each probe.
+
+    Under `tf.distribute.MirroredStrategy` the probe runs, like every
+    callback of `fit`, outside the strategy scope, in cross-replica context:
+    whole micro-batches on one device, the same numbers as without the
+    strategy. Calling `probe_fn` inside the scope is not supported.
+
+    Args:
+        data: `(x, y)` or `(x, y, sample_weight)` arrays with at least
+            kappa * b examples; each probe draws kappa * b of them at random
+            without replacement. Or a `tf.data.Dataset` of such batches
+            (each with at least kappa * b examples; the first kappa * b are
+            used), repeated as needed.
+        micro_batch_size: b.
+        kappa: micro-batches per probe (>= 2); B = kappa * b.
+        every_n_batches: probe period, in `on_train_batch_end` calls (one per
+            `steps_per_execution` steps).
+        ema: decay of the tracker's EMAs. seed: for the array draws.
+    """
+
+    def __init__(self, data, micro_batch_size, kappa, every_n_batches=100,
+                 ema=0.95, seed=None):
+        super().__init__()
+        for name, value, low in (("micro_batch_size", micro_batch_size, 1),
+                                 ("kappa", kappa, 2),
+                                 ("every_n_batches", every_n_batches, 1)):
+            if not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"`{name}` must be an integer >= {low}. "
+                                 f"Received: {name}={value}")
+        self.micro_batch_size, self.kappa = int(micro_batch_size), int(kappa)
+        self.every_n_batches = int(every_n_batches)
+        self.tracker = GradientNoiseScale(ema)
+        self._rng = np.random.default_rng(seed)
+        n = self.kappa * self.micro_batch_size
+        if isinstance(data, tf.data.Dataset):
+            self._arrays, self._iterator = None, iter(data.repeat())
+        else:
+            self._arrays = _map(np.asarray, tuple(data))
+            size = len(tf.nest.flatten(self._arrays)[0])
+            if size < n:
+                raise ValueError(
+                    "`data` must hold at least kappa * micro_batch_size = "
+                    f"{n} examples. Received: {size} examples")
+        self._seen = 0
+        # Explicit tf.while_loop below: no autograph needed.
+        self.probe_fn = tf.function(self._probe, autograph=False)
+
+    def _next_probe(self):
+        n = self.kappa * self.micro_batch_size
+        if self._arrays is not None:
+            idx = self._rng.choice(len(tf.nest.flatten(self._arrays)[0]), n,
+                                   replace=False)
+            data = _map(lambda a: a[idx], self._arrays)
+        else:
+            data = next(self._iterator)
+            size = tf.nest.flatten(data)[0].shape[0]
+            if size < n:
+                raise ValueError(
+                    "`data` batches must hold at least kappa * "
+                    f"micro_batch_size = {n} examples. Received: {size}")
+            data = _map(lambda a: a[:n], data)
+        # Tensors of one fixed shape: the tf.function traces once.
+        return _map(tf.convert_to_tensor, data)
+
+    def _probe(self, data):
+        model, kappa, b = self.model, self.kappa, self.micro_batch_size
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        # [kappa * b, ...] -> [kappa, b, ...]: micro-batch i is t[i].
+        x, y, sw = _map(
+            lambda t: tf.reshape(t, [kappa, b] + t.shape[1:].as_list()),
+            (x, y, sw))
+        weights = model.trainable_variables
+        state = model.non_trainable_variables + model.metrics_variables
+        saved = [tf.identity(v) for v in state]
+
+        def body(i, small, acc):
+            xi, yi, swi = _map(lambda t: t[i], (x, y, sw))
+            with tf.GradientTape() as tape:
+                y_pred = model(xi, training=True)
+                loss = model.compute_loss(x=xi, y=yi, y_pred=y_pred,
+                                          sample_weight=swi, training=True)
+            grads = tape.gradient(loss, weights)
+            grads = [tf.zeros_like(w) if g is None else tf.convert_to_tensor(g)
+                     for g, w in zip(grads, weights)]
+            return (i + 1, small + squared_norm(grads),
+                    [a + g for a, g in zip(acc, grads)])
+
+        _, small, acc = tf.while_loop(
+            lambda i, *_: i < kappa, body,
+            (tf.constant(0), tf.constant(0.0),
+             [tf.zeros_like(w) for w in weights]))
+        for v, s in zip(state, saved):
+            v.assign(s)
+        # |g_b|^2 = mean_j |g_j|^2 ; |g_B|^2 = |sum_j g_j / kappa|^2
+        return self.tracker.update(small / kappa,
+                                   squared_norm(acc) / kappa**2, b, kappa * b)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._seen += 1
+        if self._seen % self.every_n_batches == 0:
+            self.probe_fn(self._next_probe())
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs.update({k: float(v)
+                         for k, v in self.tracker.result().items()})
