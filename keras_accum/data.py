@@ -1,9 +1,10 @@
 """Datasets as `tf.data` pipelines of (features, label), all offline.
 
 * `mnist1d`: MNIST-1D (Greydanus 2020) generated locally by the `mnist1d`
-  package and stored as a TFDS dataset (builder `Mnist1d`), prepared on demand
-  in about two seconds. The data are exactly `make_dataset(get_dataset_args())`:
-  the package defaults, seed 42, 4000 train / 1000 test, the paper's arrays.
+  package and stored as a TFDS dataset (builder `Mnist1d`), prepared on
+  demand in about three seconds. The data are exactly
+  `make_dataset(get_dataset_args())`: the package defaults, seed 42,
+  4000 train / 1000 test examples.
 * `synthetic_tokens`: small integer sequences made with numpy from a seed,
   label = most frequent token; exercises `Embedding` (sparse gradients).
 * any other TFDS name (`mnist`, `cifar10`, ...) only if it is already prepared
@@ -39,7 +40,7 @@ class Mnist1d(tfds.core.GeneratorBasedBuilder):
     """
 
     VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "make_dataset(get_dataset_args()), mnist1d 0.0.2."}
+    RELEASE_NOTES = {"1.0.0": "make_dataset(get_dataset_args()) of mnist1d."}
     # TFDS 4.9 finds a builder's file through `importlib_resources`, which it
     # does not install (PITFALLS 14); say where it is instead.
     code_path = epath.Path(__file__)
@@ -97,7 +98,7 @@ def make_synthetic_tokens(split, seed=0):
     rng = np.random.default_rng([seed, index])
     shape = (TOKENS_EXAMPLES[split], TOKENS_LEN)
     tokens = rng.integers(0, TOKENS_VOCAB, size=shape, dtype=np.int32)
-    counts = np.apply_along_axis(np.bincount, 1, tokens, minlength=TOKENS_VOCAB)
+    counts = (tokens[..., None] == np.arange(TOKENS_VOCAB)).sum(axis=1)
     return tokens, counts.argmax(axis=1).astype(np.int32)
 
 
@@ -107,14 +108,20 @@ def builder(name, data_dir=None):
     b = tfds.builder(name, data_dir=data_dir)
     if b.is_prepared():
         return b
-    if name == "mnist1d":
+    if name == Mnist1d.name:
         config = tfds.download.DownloadConfig(try_download_gcs=False)
-        b.download_and_prepare(download_config=config)
+        try:
+            b.download_and_prepare(download_config=config)
+        except FileExistsError:  # Another process (a worker) finished first.
+            b = tfds.builder(name, data_dir=data_dir)
+            if not b.is_prepared():
+                raise
         return b
     raise FileNotFoundError(
-        f"Dataset {name!r} is not prepared in data_dir={str(b.data_dir_root)!r}"
-        f" (looked for {str(b.data_dir)!r}). This machine is offline, so we do not "
-        "call tfds.load, which would retry the download for minutes. "
+        f"Dataset {name!r} is not prepared in "
+        f"data_dir={str(b.data_dir_root)!r} (looked for {str(b.data_dir)!r}). "
+        "We do not call tfds.load, which would retry the download for "
+        "minutes on an offline machine. "
         f"Prepare it where there is network with `tfds build {name} "
         f"--data_dir=...` (or tfds.builder({name!r}).download_and_prepare()) "
         "and copy that folder here."
@@ -135,8 +142,9 @@ class DatasetInfo:
 def dataset_info(name, data_dir=None):
     """`DatasetInfo` for `name` (prepares `mnist1d` if needed)."""
     if name == SYNTHETIC_TOKENS:
-        return DatasetInfo((TOKENS_LEN,), TOKENS_VOCAB, TOKENS_EXAMPLES["train"],
-                           TOKENS_EXAMPLES["test"], vocab_size=TOKENS_VOCAB)
+        n = TOKENS_EXAMPLES
+        return DatasetInfo((TOKENS_LEN,), TOKENS_VOCAB, n["train"], n["test"],
+                           vocab_size=TOKENS_VOCAB)
     info = builder(name, data_dir).info
     x_key, y_key = info.supervised_keys
     return DatasetInfo(
@@ -151,17 +159,19 @@ def load(name, split, *, data_dir=None, batch_size=None, shuffle_seed=None,
          drop_remainder=False):
     """A `tf.data.Dataset` of (features, label) for `split` of `name`.
 
-    Features are float32 (integer images scaled to [0, 1]) or int32 tokens;
-    labels are int32. Decoded examples are cached in memory (the datasets used
-    here are small). With `shuffle_seed`, examples are reshuffled every epoch
-    in a reproducible order. With `batch_size`, examples are batched.
+    Features: uint8 images become float32 in [0, 1], other floats float32,
+    integer tokens int32; labels are int32. Decoded examples are cached in
+    memory (the datasets used here are small). With `shuffle_seed`, examples
+    are reshuffled every epoch in a reproducible order; with `batch_size`,
+    batched. `data_dir=None` is TFDS's default (`$TFDS_DATA_DIR` or
+    `~/tensorflow_datasets`).
     """
     if name == SYNTHETIC_TOKENS:
         ds = tf.data.Dataset.from_tensor_slices(make_synthetic_tokens(split))
     else:
         b = builder(name, data_dir)
         ds = b.as_dataset(split=split, as_supervised=True, shuffle_files=False)
-        ds = ds.map(_to_float, num_parallel_calls=tf.data.AUTOTUNE).cache()
+        ds = ds.cache().map(_convert, num_parallel_calls=tf.data.AUTOTUNE)
     if shuffle_seed is not None:
         ds = ds.shuffle(ds.cardinality(), seed=shuffle_seed,
                         reshuffle_each_iteration=True)
@@ -170,7 +180,8 @@ def load(name, split, *, data_dir=None, batch_size=None, shuffle_seed=None,
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
-def _to_float(x, y):
-    if x.dtype.is_integer:  # Images: uint8 in [0, 255].
-        x = tf.cast(x, tf.float32) / float(x.dtype.max)
-    return tf.cast(x, tf.float32), tf.cast(y, tf.int32)
+def _convert(x, y):
+    if x.dtype == tf.uint8:  # Images: [0, 255] -> [0, 1].
+        x = tf.cast(x, tf.float32) / 255.0
+    x = tf.cast(x, tf.int32 if x.dtype.is_integer else tf.float32)
+    return x, tf.cast(y, tf.int32)

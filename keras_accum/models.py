@@ -37,7 +37,7 @@ def cnn(input_shape, num_classes, channels=25, kernel_sizes=(5, 3, 3)):
 
 
 def resnet(input_shape, num_classes, width=32, blocks_per_stage=2):
-    """A small ResNet (post-activation basic blocks) for 28x28x1 or 32x32x3 images.
+    """A small ResNet of basic blocks for 28x28x1 or 32x32x3 images.
 
     Three stages of `blocks_per_stage` basic blocks with widths `width`,
     2*width, 4*width (stride 2 between stages), global average pooling, Dense.
@@ -76,7 +76,7 @@ def _basic_block(x, filters, stride):
 
 @keras.saving.register_keras_serializable(package="keras_accum")
 class PositionEmbedding(layers.Layer):
-    """Adds a learned embedding per position to a (batch, length, dim) input."""
+    """Adds a learned embedding per position to (batch, length, dim)."""
 
     def build(self, input_shape):
         self.embedding = self.add_weight(
