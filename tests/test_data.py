@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from etils import epath
 from tensorflow_datasets.image_classification import mnist
 
 from keras_accum import data
@@ -79,7 +78,7 @@ class FakeMnist(mnist.MNIST, skip_registration=True):
     """The real MNIST on-disk format with 6 made-up images, written offline."""
 
     name = "mnist"
-    code_path = epath.Path(__file__)  # See Mnist1d.code_path.
+    code_path = tfds.core.Path(__file__)  # See Mnist1d.code_path.
 
     def _split_generators(self, dl_manager):
         images = np.zeros((6, 28, 28, 1), np.uint8)
