@@ -1,0 +1,131 @@
+"""keras_accum.data: offline MNIST-1D, fail-fast TFDS, synthetic tokens."""
+
+import random
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from tensorflow_datasets.image_classification import mnist
+
+from keras_accum import data
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tfds")
+    data.builder("mnist1d", data_dir=path)  # Prepared once for this module.
+    return path
+
+
+def _arrays(ds):
+    xs, ys = zip(*ds.as_numpy_iterator())
+    return np.stack(xs), np.array(ys)
+
+
+def test_mnist1d_is_the_package_output(data_dir):
+    expected = data.make_mnist1d()
+    for split, key in [("train", "x"), ("test", "x_test")]:
+        x, y = _arrays(data.load("mnist1d", split, data_dir=data_dir))
+        assert x.dtype == np.float32 and y.dtype == np.int32
+        assert x.shape == (len(expected[key]), 40)
+        np.testing.assert_array_equal(x, expected[key].astype(np.float32))
+        np.testing.assert_array_equal(y, expected["y" + key[1:]])
+    info = data.dataset_info("mnist1d", data_dir=data_dir)
+    assert info == data.DatasetInfo((40,), 10, 4000, 1000)
+
+
+def test_mnist1d_is_not_regenerated(data_dir, monkeypatch):
+    def fail():
+        raise AssertionError("regenerated")
+
+    monkeypatch.setattr(data, "make_mnist1d", fail)
+    assert data.builder("mnist1d", data_dir=data_dir).is_prepared()
+
+
+def test_mnist1d_preparation_tolerates_a_concurrent_writer(tmp_path,
+                                                           monkeypatch):
+    # Workers sharing a data_dir race; the loser's final rename fails.
+    generate = data.Mnist1d._download_and_prepare
+
+    def other_process_finishes_first(self, *args, **kwargs):
+        monkeypatch.undo()
+        data.Mnist1d(data_dir=tmp_path).download_and_prepare()
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(data.Mnist1d, "_download_and_prepare",
+                        other_process_finishes_first)
+    assert data.builder("mnist1d", data_dir=tmp_path).is_prepared()
+
+
+def test_make_mnist1d_leaves_global_rngs_alone():
+    random.seed(1), np.random.seed(1)
+    data.make_mnist1d()
+    after = random.random(), np.random.rand()
+    random.seed(1), np.random.seed(1)
+    assert after == (random.random(), np.random.rand())
+
+
+def test_missing_dataset_fails_fast(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="'mnist'.*tfds build mnist"):
+        data.load("mnist", "train", data_dir=tmp_path)
+    assert time.monotonic() - start < 30  # Loose: tfds.load retries minutes.
+
+
+class FakeMnist(mnist.MNIST, skip_registration=True):
+    """The real MNIST on-disk format with 6 made-up images, written offline."""
+
+    name = "mnist"
+    code_path = tfds.core.Path(__file__)  # See Mnist1d.code_path.
+
+    def _split_generators(self, dl_manager):
+        images = np.zeros((6, 28, 28, 1), np.uint8)
+        images[:, 0, 0] = 255
+        return {s: self._generate_examples(images) for s in ("train", "test")}
+
+    def _generate_examples(self, images):
+        for i, image in enumerate(images):
+            yield i, {"image": image, "label": i}
+
+
+def test_prepared_tfds_dataset_is_read_and_scaled(tmp_path):
+    FakeMnist(data_dir=tmp_path).download_and_prepare()
+    ds = data.load("mnist", "train", data_dir=tmp_path, batch_size=4)
+    x, y = next(iter(ds))
+    assert x.dtype == tf.float32 and y.dtype == tf.int32
+    assert x.shape == (4, 28, 28, 1)
+    assert float(tf.reduce_max(x)) == 1.0 and float(tf.reduce_min(x)) == 0.0
+    assert data.dataset_info("mnist", data_dir=tmp_path) == data.DatasetInfo(
+        (28, 28, 1), 10, 6, 6)
+
+
+def test_shuffle_is_reproducible(data_dir):
+    def first_labels(seed):
+        ds = data.load("mnist1d", "train", data_dir=data_dir, batch_size=64,
+                       shuffle_seed=seed)
+        return next(iter(ds))[1].numpy()
+
+    np.testing.assert_array_equal(first_labels(3), first_labels(3))
+    assert not np.array_equal(first_labels(3), first_labels(4))
+
+
+def test_synthetic_tokens_are_deterministic():
+    x, y = data.make_synthetic_tokens("train")
+    x2, y2 = data.make_synthetic_tokens("train")
+    np.testing.assert_array_equal(x, x2)
+    np.testing.assert_array_equal(y, y2)
+    other_seed, _ = data.make_synthetic_tokens("train", seed=1)
+    assert not np.array_equal(x, other_seed)
+    # Label = most frequent token, the lowest on ties.
+    row = x[0]
+    counts = [np.sum(row == t) for t in range(data.TOKENS_VOCAB)]
+    assert y[0] == counts.index(max(counts))
+
+    info = data.dataset_info(data.SYNTHETIC_TOKENS)
+    tokens, labels = next(iter(data.load(data.SYNTHETIC_TOKENS, "test",
+                                         batch_size=8)))
+    assert tokens.dtype == tf.int32 and labels.dtype == tf.int32
+    assert tokens.shape == (8,) + info.input_shape
+    assert int(tf.reduce_max(tokens)) < info.vocab_size
