@@ -232,7 +232,8 @@ def train_and_evaluate(config, workdir, resume=False):
         probe = data.load(config["dataset"], "train",
                           data_dir=config["data_dir"],
                           batch_size=config["micro_batch_size"] * kappa,
-                          shuffle_seed=config["seed"]).repeat()
+                          shuffle_seed=config["seed"],
+                          drop_remainder=True).repeat()
         callbacks.append(diagnostics.NoiseScaleCallback(
             probe, micro_batch_size=config["micro_batch_size"], kappa=kappa,
             every_n_batches=config["noise_scale_every"]))

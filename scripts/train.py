@@ -53,10 +53,8 @@ def parse_flags(argv):
     try:
         return FLAGS(argv)
     except flags.Error as e:
-        valid = sorted(name for name in FLAGS if not name.startswith("help")
-                       and FLAGS[name].module_name == __name__
-                       or name in ("config",))
-        sys.exit(f"{e}\nValid flags: --{', --'.join(sorted(set(valid)))}")
+        valid = sorted(["config", "workdir", "resume"] + OVERRIDES)
+        sys.exit(f"{e}\nValid flags: --{', --'.join(valid)}")
 
 
 def main(argv):

@@ -1,0 +1,128 @@
+"""The training script and its configs: smoke runs, resume, error paths."""
+
+import csv
+import json
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from keras_accum import experiment
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted(
+    p for p in (ROOT / "saved_configs").glob("*.py")
+    if "smoke" in p.read_text()
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def smoke(path, data_dir, **overrides):
+    namespace = {}
+    exec(path.read_text(), namespace)
+    config = namespace["get_config"](smoke=True)
+    config.update(data_dir=data_dir, verbose=0, **overrides)
+    return config
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_saved_config_runs_in_smoke_size(path, data_dir, tmp_path):
+    config = smoke(path, data_dir, epochs=1)
+    final = experiment.train_and_evaluate(config, tmp_path / "run")
+    run = tmp_path / "run"
+    for name in ("config.json", "metrics.csv", "final.json", "curves.png",
+                 "checkpoints/epoch_001.keras"):
+        assert (run / name).exists(), name
+    assert list((run / "tensorboard").rglob("*tfevents*"))
+    resolved = json.loads((run / "config.json").read_text())
+    assert resolved == experiment.resolve_config(config)
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert len(rows) == 1
+    # 4000 examples, windows of 32 x steps: whole windows only.
+    steps = resolved["steps"]
+    assert int(rows[0]["updates"]) == 4000 // (32 * steps) == final["updates"]
+    assert 0.0 <= final["test_accuracy"] <= 1.0
+    assert np.isfinite(final["test_loss"])
+
+
+def test_resume_continues_exactly(data_dir, tmp_path):
+    config = smoke(ROOT / "saved_configs/mnist1d_cnn_invariant.py", data_dir,
+                   epochs=2, noise_scale_every=0)
+    experiment.train_and_evaluate(config, tmp_path / "straight")
+    # A run that stopped after its first epoch: what it had on disk then.
+    experiment.train_and_evaluate(config, tmp_path / "stopped")
+    stopped = tmp_path / "stopped"
+    (stopped / "checkpoints/epoch_002.keras").unlink()
+    rows = (stopped / "metrics.csv").read_text().splitlines()
+    (stopped / "metrics.csv").write_text("\n".join(rows[:2]) + "\n")
+
+    experiment.train_and_evaluate(None, stopped, resume=True)
+    a = keras.models.load_model(tmp_path / "straight/checkpoints/epoch_002.keras")
+    b = keras.models.load_model(stopped / "checkpoints/epoch_002.keras")
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(a.optimizer.variables, b.optimizer.variables):
+        np.testing.assert_array_equal(x.numpy(), y.numpy())
+    assert len((stopped / "metrics.csv").read_text().splitlines()) == 3
+
+
+def test_unknown_config_key_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"Unknown config key\(s\) \['stpes'\]"
+                       r"\. Valid keys: .*micro_batch_size.*steps"):
+        experiment.resolve_config({"stpes": 4})
+
+
+@pytest.mark.parametrize("key,value", [("optimizer", "sgd"), ("steps", 0),
+                                       ("strategy", "tpu"), ("model", "vit")])
+def test_bad_config_values(key, value):
+    with pytest.raises(ValueError, match=f"Received: {key}={value!r}"):
+        experiment.resolve_config({key: value})
+
+
+def test_refuses_to_overwrite_a_run(data_dir, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/keep.txt").write_text("results")
+    with pytest.raises(FileExistsError, match="--resume"):
+        experiment.train_and_evaluate({"data_dir": data_dir}, tmp_path / "run")
+    assert (tmp_path / "run/keep.txt").read_text() == "results"
+
+
+def run_script(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts/train.py"), *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+
+
+def test_script_unknown_flag_lists_valid_flags():
+    result = run_script("--config", "saved_configs/mnist1d_cnn_invariant.py",
+                        "--stepz", "4")
+    assert result.returncode != 0
+    assert "stepz" in result.stderr
+    assert "Valid flags:" in result.stderr and "--steps" in result.stderr
+
+
+def test_script_missing_dataset_fails_fast(tmp_path):
+    result = run_script("--config", "saved_configs/mnist1d_cnn_invariant.py",
+                        "--dataset", "mnist", "--data_dir", str(tmp_path),
+                        "--workdir", str(tmp_path / "run"), timeout=60)
+    assert result.returncode != 0
+    assert "'mnist' is not prepared" in result.stderr
+
+
+def test_script_trains_and_reports(data_dir, tmp_path):
+    result = run_script(
+        "--config", "saved_configs/mnist1d_cnn_update_accumulation.py",
+        "--epochs", "1", "--steps", "2", "--data_dir", data_dir,
+        "--workdir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Final test accuracy:" in result.stdout
+    config = json.loads((tmp_path / "run/config.json").read_text())
+    assert config["steps"] == 2 and config["epochs"] == 1
