@@ -54,6 +54,9 @@ DEFAULTS = {
     "epsilon": 1e-7,
     "weight_decay": None,
     "scaling_rule": None,  # None | "invariant" | "sqrt" | "power"
+    # "constant" | "cosine" (decays to 0 over all updates; a schedule sees
+    # the update count, not micro-steps)
+    "lr_schedule": "constant",
     "micro_batch_size": 32,
     "steps": 4,
     "epochs": 10,
@@ -78,6 +81,7 @@ def resolve_config(config):
     choices = {"optimizer": OPTIMIZERS, "inner_optimizer": INNER_OPTIMIZERS,
                "strategy": STRATEGIES,
                "scaling_rule": (None,) + ka.scaling.RULES,
+               "lr_schedule": ("constant", "cosine"),
                "model": tuple(models.MODELS)}
     for key, valid in choices.items():
         if resolved[key] not in valid:
@@ -107,12 +111,15 @@ def make_strategy(name):
     return tf.distribute.get_strategy()
 
 
-def make_optimizer(config, kappa):
+def make_optimizer(config, kappa, total_updates):
     """The configured optimizer, hyperparameters scaled to `kappa`."""
     hyper = {k: config[k] for k in ("learning_rate", "beta_1", "beta_2",
                                     "epsilon")}
     if config["scaling_rule"]:
         hyper = ka.scale_hyperparameters(kappa, config["scaling_rule"], **hyper)
+    if config["lr_schedule"] == "cosine":
+        hyper["learning_rate"] = keras.optimizers.schedules.CosineDecay(
+            hyper["learning_rate"], decay_steps=total_updates)
     steps, wd = config["steps"], config["weight_decay"]
     if config["optimizer"] == "invariant_adam":
         return ka.InvariantAdam(**hyper, steps=steps, weight_decay=wd)
@@ -216,7 +223,8 @@ def train_and_evaluate(config, workdir, resume=False):
             model = models.build_model(config["model"], info.input_shape,
                                        info.num_classes, **model_kwargs)
             model.compile(
-                optimizer=make_optimizer(config, kappa),
+                optimizer=make_optimizer(
+                    config, kappa, config["epochs"] * windows_per_epoch),
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True),
                 metrics=["accuracy"],

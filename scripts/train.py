@@ -34,6 +34,9 @@ flags.DEFINE_integer("micro_batch_size", None, "Items per micro-batch.")
 flags.DEFINE_float("learning_rate", None, "Learning rate at kappa = 1.")
 flags.DEFINE_enum("scaling_rule", None, ["invariant", "sqrt", "power", "none"],
                   "Rescale lr/betas from kappa = 1 to steps x replicas.")
+flags.DEFINE_enum("lr_schedule", None, ["constant", "cosine"],
+                  "Learning-rate schedule over the updates.")
+flags.DEFINE_float("weight_decay", None, "Decoupled weight decay.")
 flags.DEFINE_integer("epochs", None, "Epochs.")
 flags.DEFINE_integer("seed", None, "Random seed.")
 flags.DEFINE_enum("strategy", None, ["default", "mirrored", "multi_worker"],
@@ -45,7 +48,7 @@ flags.DEFINE_string("data_dir", None, "TFDS data_dir for prepared datasets.")
 flags.DEFINE_string("model", None, "Model name (mlp, cnn, resnet, transformer).")
 
 OVERRIDES = ["optimizer", "steps", "micro_batch_size", "learning_rate",
-             "scaling_rule", "epochs", "seed", "strategy", "mixed_precision",
+             "scaling_rule", "lr_schedule", "weight_decay", "epochs", "seed", "strategy", "mixed_precision",
              "jit_compile", "dataset", "data_dir", "model"]
 
 

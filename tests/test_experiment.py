@@ -45,9 +45,10 @@ def test_every_saved_config_runs_in_smoke_size(path, data_dir, tmp_path):
     assert resolved == experiment.resolve_config(config)
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     assert len(rows) == 1
-    # 4000 examples, windows of 32 x steps: whole windows only.
+    # 4000 examples, windows of micro_batch_size x steps: whole windows only.
     steps = resolved["steps"]
-    assert int(rows[0]["updates"]) == 4000 // (32 * steps) == final["updates"]
+    micro = resolved["micro_batch_size"]
+    assert int(rows[0]["updates"]) == 4000 // (micro * steps) == final["updates"]
     assert 0.0 <= final["test_accuracy"] <= 1.0
     assert np.isfinite(final["test_loss"])
 
@@ -80,7 +81,8 @@ def test_unknown_config_key_lists_valid_ones():
 
 
 @pytest.mark.parametrize("key,value", [("optimizer", "sgd"), ("steps", 0),
-                                       ("strategy", "tpu"), ("model", "vit")])
+                                       ("strategy", "tpu"), ("model", "vit"),
+                                       ("lr_schedule", "linear")])
 def test_bad_config_values(key, value):
     with pytest.raises(ValueError, match=f"Received: {key}={value!r}"):
         experiment.resolve_config({key: value})
