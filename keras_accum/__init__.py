@@ -16,7 +16,10 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402
+from keras_accum.gradient_accumulation import (  # noqa: E402
+    GradientAccumulation,
+    weigh_micro_batches,
+)
 from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
 from keras_accum.scaling import scale_hyperparameters  # noqa: E402
 from keras_accum.update_accumulation_adam import (  # noqa: E402
@@ -29,4 +32,5 @@ __all__ = [
     "InvariantAdam",
     "UpdateAccumulationAdam",
     "scale_hyperparameters",
+    "weigh_micro_batches",
 ]

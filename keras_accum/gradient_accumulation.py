@@ -1,10 +1,51 @@
 """Gradient accumulation around any Keras optimizer."""
 
+import collections
+import threading
+
+import keras
 import tensorflow as tf
 from keras import optimizers
 from keras import saving
 
 from keras_accum import base
+
+# The item count of the micro-batch being traced on this thread, set by
+# `weigh_micro_batches`. MirroredStrategy traces each replica on its own
+# thread, so this is each replica's own count.
+_fit_items = threading.local()
+
+# `apply(weight=ReplicaItems(n))`: n items on this replica, gradients in the
+# model.fit convention (this replica's mean gradient / replicas).
+ReplicaItems = collections.namedtuple("ReplicaItems", ["items"])
+
+
+def weigh_micro_batches(model):
+    """Makes `model.fit` weight the window mean by micro-batch sizes.
+
+    Keras's `train_step` does not tell the optimizer how many items a batch
+    held, so by default `GradientAccumulation` under `model.fit` averages
+    micro-batches equally: the mean of means, wrong when the last batch of
+    an epoch is short. After `weigh_micro_batches(model)`, each replica
+    passes its batch size and the window mean is
+    sum_r n_r g_r / sum_r n_r: exactly the big batch (for losses averaged
+    over the batch, Keras's default reduction). Call it after `compile`.
+    Returns `model`.
+    """
+    original = model.train_step
+
+    def train_step(data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        first = next(t for t in keras.tree.flatten(x) if t is not None)
+        _fit_items.value = tf.shape(first)[0]
+        try:
+            return original(data)
+        finally:
+            _fit_items.value = None
+
+    model.train_step = train_step
+    model.train_function = None  # rebuild with the new step
+    return model
 
 
 @saving.register_keras_serializable(package="keras_accum")
@@ -111,6 +152,12 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
+    def apply(self, grads, trainable_variables=None, weight=None):
+        items = getattr(_fit_items, "value", None)
+        if weight is None and items is not None:
+            weight = ReplicaItems(items)
+        super().apply(grads, trainable_variables, weight=weight)
+
     def _accumulate(self, distribution, grads, variables, weight, start):
         distribution.extended.call_for_each_replica(
             self._fold, args=(grads, variables, weight)
@@ -121,12 +168,23 @@ class GradientAccumulation(base.AccumulationOptimizer):
         accumulators = [
             self._accumulators[self._get_variable_index(v)] for v in variables
         ]
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         unit_weight = isinstance(weight, float) and weight == 1.0
-        weight = tf.cast(weight, "float32")
+        if isinstance(weight, ReplicaItems):
+            # g = (mean gradient over this replica's n items) / replicas, so
+            # its summed-loss gradient is n * replicas * g; W counts items.
+            items = tf.cast(weight.items, "float32")
+            scale, share = items * replicas, items
+        else:
+            # g is this replica's share of the global mean over `weight`
+            # items, so weight * g is its summed-loss gradient. W_r gets an
+            # equal share of weight: the sum over replicas is the weight.
+            scale = tf.cast(weight, "float32")
+            share = scale / replicas
 
         def weighted(grads):
             grads = [tf.cast(base.dense(g), "float32") for g in grads]
-            return grads if unit_weight else [weight * g for g in grads]
+            return grads if unit_weight else [scale * g for g in grads]
 
         def fold(grads):
             wgs = weighted(grads)
@@ -137,10 +195,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
                 lambda: [a.assign(g) for a, g in zip(accumulators, wgs)],
                 lambda: [a.assign_add(g) for a, g in zip(accumulators, wgs)],
             )
-            # W_r += w / replicas: each replica holds an equal share of the
-            # global micro-batch, so the sum over replicas is W.
-            replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-            self._weight.assign_add(weight / replicas)
+            self._weight.assign_add(share)
 
         self._guarded(grads, fold, skip=lambda: None)
 
