@@ -492,7 +492,7 @@ class Trainer:
         optimizer (another architecture or `steps`) raises."""
         path = tf.train.latest_checkpoint(directory)
         if path is not None:
-            self.checkpoint.read(path).assert_consumed()
+            self.checkpoint.restore(path).assert_consumed()
         return path
 
 
