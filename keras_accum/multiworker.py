@@ -126,7 +126,10 @@ class LocalCluster:
             time.sleep(0.1)
         codes = [p.returncode for p in self.processes]
         if first_failure is None and any(codes):
-            first_failure = next(i for i, c in enumerate(codes) if c)
+            # All had exited before we looked: a worker killed by a signal is
+            # more likely the cause than one that exited with an error.
+            first_failure = min((i for i, c in enumerate(codes) if c),
+                                key=lambda i: (codes[i] >= 0, i))
         if first_failure is not None:
             tail = self.log(first_failure)[-2000:]
             raise WorkerFailedError(
