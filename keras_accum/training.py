@@ -129,10 +129,28 @@ def peek_batch_size(dataset):
             "`dataset` must be a `tf.data.Dataset` of global batches. "
             f"Received: dataset={dataset!r}"
         )
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "`dataset` must be finite (one epoch); the loop repeats it "
+            f"`epochs` times. Received: dataset={dataset!r}"
+        )
     first = next(iter(dataset.take(1)), None)
     if first is None:
         raise ValueError(f"`dataset` is empty. Received: dataset={dataset!r}")
     return int(_size(_split(first)))
+
+
+def _data_sharded(dataset):
+    """Multi-worker: every worker reads the whole pipeline and keeps its
+    replicas' part of each global batch (unless the user chose a policy)."""
+    default = tf.data.Options().experimental_distribute.auto_shard_policy
+    if dataset.options().experimental_distribute.auto_shard_policy != default:
+        return dataset
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
+    return dataset.with_options(options)
 
 
 def _resolve_loss(loss_fn):
@@ -217,8 +235,20 @@ class Trainer:
             is logged as its sample-weighted mean over the window.
         last_batch: "weighted" or "drop", see the module docstring.
 
+    Compiled functions (`tf.function`, traced once), each taking an iterator
+    over `distribute(dataset)` and returning a dict of scalar logs:
+
+    * `train_step(iterator)`: one window. The next global batch is split
+      into `steps` micro-batches per replica; one `optimizer.apply` each.
+    * `micro_step(iterator)`: the next element is ONE micro-batch per
+      replica (one `apply`); with a dataset of global micro-batches a window
+      then spans `steps` calls, and `save` may fall inside it (the
+      optimizer's accumulators are checkpointed).
+
     Attributes: `steps`, `batches` (non-empty dataset elements trained),
-    `epoch` (completed epochs), `batch_in_epoch`, `checkpoint`.
+    `epoch` (completed epochs), `batch_in_epoch`, `checkpoint` (model,
+    optimizer with its accumulators and counters, model variables incl.
+    RNG states, data position).
     """
 
     def __init__(self, model, optimizer, loss_fn, *, strategy=None,
@@ -308,14 +338,9 @@ class Trainer:
             dataset = dataset.filter(lambda *b: _size(b) == full)
         done = self.batches + self.epoch  # one end marker per epoch done
         stream = dataset.concatenate(_end_marker(dataset)).repeat(epochs)
-        options = tf.data.Options()
-        shard = options.experimental_distribute.auto_shard_policy
-        if dataset.options().experimental_distribute.auto_shard_policy == shard:
-            options.experimental_distribute.auto_shard_policy = (
-                tf.data.experimental.AutoShardPolicy.DATA
-            )
-        stream = stream.skip(done).with_options(options)
-        return self.strategy.experimental_distribute_dataset(stream)
+        return self.strategy.experimental_distribute_dataset(
+            _data_sharded(stream.skip(done))
+        )
 
     # -- the step -------------------------------------------------------------
 
@@ -413,9 +438,19 @@ class Trainer:
         """Per-item values of `fn` at the sample weight's rank, and weights."""
         values = tf.cast(fn(y, y_pred), tf.float32)
         if sample_weight is None:
+            if values.shape.rank == 0:
+                raise ValueError(
+                    "The loss and metrics must return per-item values, not "
+                    f"a reduced scalar. Received: {fn!r}")
             values = _per_item(values, 1)
             return values, tf.ones_like(values)
         weights = tf.cast(sample_weight, tf.float32)
+        if values.shape.rank < weights.shape.rank:
+            raise ValueError(
+                "The loss and metrics must return per-item values of at "
+                f"least the sample weight's rank {weights.shape.rank}. "
+                f"Received: values of shape {values.shape} from {fn!r}"
+            )
         return _per_item(values, weights.shape.rank), weights
 
     def _reduce_logs(self):
@@ -448,12 +483,8 @@ class Trainer:
     def evaluate(self, dataset):
         """Sample-weighted mean loss and metrics over `dataset` (global
         batches, as for training). Runs on every worker."""
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = (
-            tf.data.experimental.AutoShardPolicy.DATA
-        )
         iterator = iter(self.strategy.experimental_distribute_dataset(
-            dataset.with_options(options)
+            _data_sharded(dataset)
         ))
         total = np.zeros(2 + len(self._metrics))
         while True:

@@ -27,11 +27,13 @@ def test_two_workers_equal_one_process(tmp_path):
     # weights is the big-batch Adam step, also for the short batches. Equal
     # to float32 rounding (the sums are taken in another order).
     codes = multiworker.launch_local_workers(
-        2, JOB + ["--workdir", str(tmp_path / "multi"), "--steps", "2"],
+        2, JOB + ["--workdir", str(tmp_path / "multi"), "--steps", "2",
+                  "--epochs", "2"],
         env=ENV, log_dir=str(tmp_path / "logs"), timeout=300)
     assert codes == [0, 0]
     single = subprocess.run(
-        JOB + ["--workdir", str(tmp_path / "single"), "--steps", "4"],
+        JOB + ["--workdir", str(tmp_path / "single"), "--steps", "4",
+                     "--epochs", "2"],
         env=dict(os.environ, **ENV), capture_output=True, text=True,
         timeout=300)
     assert single.returncode == 0, single.stdout + single.stderr
@@ -53,7 +55,7 @@ def test_killed_worker_stops_the_survivor(tmp_path):
     # the first failure. The bound is a hang guard, not a timing claim.
     cluster = multiworker.LocalCluster(
         2, JOB + ["--workdir", str(tmp_path / "run"), "--epochs", "50",
-                  "--sleep", "0.2", "--collective_timeout", "120"],
+                  "--sleep", "0.2"],
         env=ENV, log_dir=str(tmp_path / "logs"), grace_seconds=120)
     with cluster:
         deadline = time.monotonic() + 180

@@ -220,6 +220,77 @@ def test_short_batch_and_sample_weights_equal_big_batch(last_batch):
     assert_close(params, expected)
 
 
+def test_plain_keras_optimizer_is_one_update_per_batch():
+    # A Keras optimizer all-reduces (SUM) the replicas' gradients itself:
+    # with the loss divided by the global weight, that is the weighted mean
+    # over the whole batch, short batch included.
+    x, y, w = weighted_data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(8)
+    strategy = mirrored()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.set_weights(initial())
+        opt = keras.optimizers.Adam(LR)
+    training.train(model, opt, "mse", dataset, strategy=strategy, epochs=2,
+                   verbose=0)
+    adam = Adam()
+    expected = [p.astype(np.float64) for p in initial()]
+    for _ in range(2):
+        for lo, hi in [(0, 8), (8, 16), (16, 22)]:
+            expected = adam.step(expected,
+                                 grad(expected, x[lo:hi], y[lo:hi], w[lo:hi]))
+    assert int(opt.iterations.numpy()) == 6
+    assert_close(model.get_weights(), expected)
+
+
+def test_logs_metrics_and_evaluation(tmp_path):
+    rng = np.random.RandomState(4)
+    x = rng.randn(16, 3).astype("float32")
+    labels = rng.randint(0, 3, 16)
+    dataset = tf.data.Dataset.from_tensor_slices((x, labels)).batch(8)
+    strategy = mirrored()
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(3, activation="softmax")])
+        opt = OPTIMIZERS["ga_sgd"](2)
+
+    def loss_and_accuracy(xs, ys):
+        p = model.predict(xs, verbose=0).astype(np.float64)
+        return (-np.log(p[np.arange(len(ys)), ys]).mean(),
+                (p.argmax(1) == ys).mean())
+
+    # Updates happen at window ends, so window 1 is evaluated at the
+    # initial weights.
+    first = loss_and_accuracy(x[:8], labels[:8])
+    history = training.train(
+        model, opt, "sparse_categorical_crossentropy", dataset,
+        strategy=strategy, workdir=str(tmp_path), metrics=["accuracy"],
+        eval_dataset=dataset, verbose=0)
+    final = loss_and_accuracy(x, labels)
+    with open(tmp_path / "log.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    assert len(lines) == 3 and lines[2]["epoch_end"]
+    np.testing.assert_allclose(lines[0]["loss"], first[0], rtol=1e-6)
+    np.testing.assert_allclose(lines[0]["accuracy"], first[1])
+    assert lines[0]["items"] == 8 and lines[1]["updates"] == 2
+    assert lines[0]["learning_rate"] == f32(LR)
+    assert lines[0]["skipped_micro_batches"] == 0
+    np.testing.assert_allclose(history["val_loss"], [final[0]], rtol=1e-6)
+    np.testing.assert_allclose(history["val_accuracy"], [final[1]])
+    assert history["loss"] == [np.mean([lines[0]["loss"], lines[1]["loss"]])]
+    tags = set()
+    for path in (tmp_path / "tensorboard").iterdir():
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            tags.update(v.tag for v in event.summary.value)
+    assert {"loss", "accuracy", "learning_rate", "updates",
+            "skipped_micro_batches", "examples_per_second",
+            "epoch/val_loss"} <= tags
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    assert (config["global_batch_size"], config["micro_batch_size"],
+            config["replicas"]) == (8, 2, 2)
+
+
 def test_token_mask_equals_masked_big_batch():
     # A per-token loss (n, 2) with a mask of the same shape: the count is the
     # number of unmasked tokens, summed over replicas.
@@ -420,7 +491,7 @@ def bad(match, dataset=None, **kwargs):
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(ValueError, match=match):
         training.train(
-            model, opt, "mse",
+            model, opt, kwargs.pop("loss", "mse"),
             dataset or tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
             strategy=strategy, verbose=0, **kwargs)
     assert_close(model.get_weights(), before, rtol=0, atol=0)
@@ -483,6 +554,17 @@ def test_empty_dataset():
     x, y = data()
     bad(r"`dataset` is empty",
         tf.data.Dataset.from_tensor_slices((x, y)).take(0).batch(16))
+
+
+def test_infinite_dataset():
+    x, y = data()
+    bad(r"must be finite",
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat())
+
+
+def test_reduced_loss_is_refused():
+    bad(r"per-item values, not a reduced scalar",
+        loss=lambda t, p: tf.reduce_mean(tf.square(p - t)))
 
 
 def test_bad_last_batch_and_epochs():
