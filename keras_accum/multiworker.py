@@ -171,7 +171,9 @@ def main(args=None):
     parser.add_argument("--grace_seconds", type=float, default=30.0)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     flags = parser.parse_args(args)
-    command = flags.command[1:] if flags.command[:1] == ["--"] else flags.command
+    command = flags.command
+    if command[:1] == ["--"]:
+        command = command[1:]
     try:
         launch_local_workers(flags.num_workers, command, log_dir=flags.log_dir,
                              timeout=flags.timeout,

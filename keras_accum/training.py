@@ -153,6 +153,14 @@ def _data_sharded(dataset):
     return dataset.with_options(options)
 
 
+def _window(optimizer):
+    """Micro-batches per replica per update: a Keras optimizer updates on
+    every micro-batch, so it gets one micro-batch per global batch."""
+    if isinstance(optimizer, base.AccumulationOptimizer):
+        return optimizer.steps
+    return 1
+
+
 def _resolve_loss(loss_fn):
     if isinstance(loss_fn, str):
         loss_fn = keras.losses.get(loss_fn)
@@ -262,18 +270,19 @@ class Trainer:
         self.last_batch = last_batch
         self._check_scope(model, optimizer)
         self.model, self.optimizer = model, optimizer
-        self.steps = (optimizer.steps
-                      if isinstance(optimizer, base.AccumulationOptimizer) else 1)
+        self.steps = _window(optimizer)
         self._loss_fn = _resolve_loss(loss_fn)
         self._metrics = _resolve_metrics(metrics)
         with self.strategy.scope():
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
-            counter = dict(dtype=tf.int64, trainable=False,
-                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            counter = dict(
+                dtype=tf.int64, trainable=False,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self.batches = tf.Variable(0, name="batches", **counter)
             self.epoch = tf.Variable(0, name="epoch", **counter)
-            self.batch_in_epoch = tf.Variable(0, name="batch_in_epoch", **counter)
+            self.batch_in_epoch = tf.Variable(0, name="batch_in_epoch",
+                                              **counter)
             # Replica-local running sums of the window's logs (loss, weight,
             # metrics): updated without communication, reduced once.
             self._sums = tf.Variable(
@@ -301,13 +310,14 @@ class Trainer:
                 f"Received: optimizer={optimizer!r}"
             )
         for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-            if opt is not None and opt._distribution_strategy is not self.strategy:
-                raise ValueError(
-                    "`optimizer` was created outside `strategy.scope()` (under "
-                    f"{type(opt._distribution_strategy).__name__}, not "
-                    f"strategy={type(self.strategy).__name__}); create and "
-                    f"build it inside the scope. Received: optimizer={opt!r}"
-                )
+            if opt is None or opt._distribution_strategy is self.strategy:
+                continue
+            raise ValueError(
+                "`optimizer` was created outside `strategy.scope()` (under "
+                f"{type(opt._distribution_strategy).__name__}, not "
+                f"strategy={type(self.strategy).__name__}); create and "
+                f"build it inside the scope. Received: optimizer={opt!r}"
+            )
         if not model.built or not model.trainable_variables:
             raise ValueError(
                 "`model` must be built (give it an `Input` or call it on a "
@@ -323,7 +333,7 @@ class Trainer:
                     f"Received: model={model!r}"
                 )
 
-    # -- data ---------------------------------------------------------------
+    # -- data -----------------------------------------------------------------
 
     def distribute(self, dataset, *, epochs=1, global_batch_size=None):
         """The distributed stream of `epochs` passes over `dataset`, resumed
@@ -410,13 +420,11 @@ class Trainer:
         model = self.model
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
-            per_item, weights = self._weighted(self._loss_fn, y, y_pred,
-                                               sample_weight)
-            loss_sum = tf.reduce_sum(per_item * weights)
+            sums = self._sums_of(y, y_pred, sample_weight)
             # Summed loss / GLOBAL count of this micro-step: summed over the
             # replicas this is the gradient of the global micro-batch mean,
             # the convention the optimizers (and their all-reduce SUM) use.
-            loss = tf.math.divide_no_nan(loss_sum, count)
+            loss = tf.math.divide_no_nan(sums[0], count)
             if model.losses:
                 replicas = self.strategy.num_replicas_in_sync
                 loss += tf.add_n(model.losses) / replicas
@@ -426,12 +434,16 @@ class Trainer:
             self.optimizer.apply(grads, variables, weight=count)
         else:
             self.optimizer.apply(grads, variables)
-        sums = [loss_sum, tf.reduce_sum(weights)] + [
-            tf.reduce_sum(self._weighted(fn, y, y_pred, sample_weight)[0]
-                          * weights)
-            for _, fn in self._metrics
-        ]
-        self._sums.assign_add(tf.cast(tf.stack(sums), tf.float32))
+        self._sums.assign_add(sums)
+
+    def _sums_of(self, y, y_pred, sample_weight):
+        """[sum w loss, sum w, sum w metric, ...] over one replica's items."""
+        per_item, weights = self._weighted(self._loss_fn, y, y_pred,
+                                           sample_weight)
+        metrics = [self._weighted(fn, y, y_pred, sample_weight)[0]
+                   for _, fn in self._metrics]
+        return tf.stack([tf.reduce_sum(v * weights)
+                         for v in [per_item, tf.ones_like(per_item)] + metrics])
 
     @staticmethod
     def _weighted(fn, y, y_pred, sample_weight):
@@ -457,25 +469,19 @@ class Trainer:
         """Replica context: this replica's sums plus its skipped micro-batch
         count (replica-local), summed over replicas in one all-reduce."""
         skipped = getattr(self.optimizer, "skipped_micro_batches", None)
-        skipped = 0.0 if skipped is None else tf.cast(skipped.value, tf.float32)
+        skipped = (0.0 if skipped is None
+                   else tf.cast(skipped.value, tf.float32))
         local = tf.concat([tf.convert_to_tensor(self._sums), [skipped]], 0)
         return tf.distribute.get_replica_context().all_reduce("sum", local)
 
-    # -- evaluation -------------------------------------------------------------
+    # -- evaluation -----------------------------------------------------------
 
     def _evaluate_batch(self, iterator):
         def replica_fn(batch):
             x, y, sample_weight = _split(batch)
-            y_pred = self.model(x, training=False)
-            per_item, weights = self._weighted(self._loss_fn, y, y_pred,
-                                               sample_weight)
-            sums = [tf.reduce_sum(per_item * weights), tf.reduce_sum(weights)]
-            sums += [tf.reduce_sum(self._weighted(fn, y, y_pred,
-                                                  sample_weight)[0] * weights)
-                     for _, fn in self._metrics]
-            return tf.distribute.get_replica_context().all_reduce(
-                "sum", tf.stack(sums)
-            )
+            sums = self._sums_of(y, self.model(x, training=False),
+                                 sample_weight)
+            return tf.distribute.get_replica_context().all_reduce("sum", sums)
 
         result = self.strategy.run(replica_fn, args=(next(iterator),))
         return self.strategy.experimental_local_results(result)[0]
@@ -493,11 +499,10 @@ class Trainer:
             except tf.errors.OutOfRangeError:
                 break
         names = ["loss"] + [name for name, _ in self._metrics]
-        weight = total[1] if total[1] else np.nan
-        return {name: float(total[i if i == 0 else i + 1] / weight)
-                for i, name in enumerate(names)}
+        means = np.concatenate([total[:1], total[2:]]) / (total[1] or np.nan)
+        return dict(zip(names, map(float, means)))
 
-    # -- checkpoints ------------------------------------------------------------
+    # -- checkpoints ----------------------------------------------------------
 
     def save(self, directory, max_to_keep=3):
         """Saves model, optimizer and data position as
@@ -506,7 +511,8 @@ class Trainer:
         writes to `directory`, the others to a temporary one deleted after.
         """
         chief = is_chief(self.strategy)
-        target = directory if chief else tempfile.mkdtemp(prefix="ckpt_worker")
+        target = (directory if chief
+                  else tempfile.mkdtemp(prefix="ckpt_worker"))
         if target not in self._managers:
             self._managers[target] = tf.train.CheckpointManager(
                 self.checkpoint, target, max_to_keep=max_to_keep
@@ -527,7 +533,7 @@ class Trainer:
         return path
 
 
-# -- the loop -------------------------------------------------------------------
+# -- the loop -----------------------------------------------------------------
 
 
 def _check_int(name, value, minimum=1):
@@ -673,7 +679,7 @@ def train(model, optimizer, loss_fn, dataset, *, epochs=1, steps=None,
         raise ValueError(
             f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
     global_batch = peek_batch_size(dataset)
-    opt_steps = getattr(optimizer, "steps", 1)
+    opt_steps = _window(optimizer)
     micro = _check_split(global_batch, strategy.num_replicas_in_sync,
                          opt_steps, steps, micro_batch_size)
     trainer = Trainer(model, optimizer, loss_fn, strategy=strategy,

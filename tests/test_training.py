@@ -314,7 +314,7 @@ def test_short_batch_warns_for_optimizers_without_weights():
         run("invariant", 2, 2, dataset, epochs=1)
 
 
-# -- the compiled step ----------------------------------------------------------
+# -- the compiled step --------------------------------------------------------
 
 
 def test_step_traces_once():
@@ -360,8 +360,8 @@ def test_gradient_all_reduces_per_window(optimizer, steps, per_window,
 
     def counting(self, reduce_op, per_replica_value, destinations, options):
         value = getattr(per_replica_value, "values", [per_replica_value])[0]
-        counter = gradient_sized if tuple(value.shape) == kernel_shape else others
-        counter.assign_add(1)
+        kernel_sized = tuple(value.shape) == kernel_shape
+        (gradient_sized if kernel_sized else others).assign_add(1)
         return reduce(self, reduce_op, per_replica_value, destinations, options)
 
     monkeypatch.setattr(tf.distribute.ReductionToOneDevice,
@@ -481,7 +481,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     assert [line["epoch"] for line in lines if "epoch_end" in line] == [1, 2, 3]
 
 
-# -- bad input --------------------------------------------------------------------
+# -- bad input ----------------------------------------------------------------
 
 
 def bad(match, dataset=None, **kwargs):
