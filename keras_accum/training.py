@@ -48,6 +48,7 @@ The step function is traced once: its only argument is the iterator and all
 counters live in variables.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -64,11 +65,23 @@ from keras_accum import base
 from keras_accum.gradient_accumulation import GradientAccumulation
 
 LAST_BATCH_POLICIES = ("weighted", "drop")
-_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)
+_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                tf.errors.AbortedError)
 
 
 class WorkerLostError(RuntimeError):
     """A collective failed: a peer worker died, hung or timed out."""
+
+
+@contextlib.contextmanager
+def _peer_errors():
+    try:
+        yield
+    except _PEER_ERRORS as error:
+        raise WorkerLostError(
+            "A collective failed: another worker died, hung or timed out "
+            f"(see its log). This worker stops too. Cause: {error}"
+        ) from error
 
 
 def strategy_from_environment(collective_timeout=None):
@@ -714,63 +727,72 @@ def train(model, optimizer, loss_fn, dataset, *, epochs=1, steps=None,
     iterator = iter(trainer.distribute(dataset, epochs=epochs,
                                        global_batch_size=global_batch))
     target = int(dataset.cardinality())
-    history, epoch_logs, bar, warned, saved = {}, [], None, False, done
     shown = ["loss"] + [name for name, _ in trainer._metrics]
+    state = dict(history={}, epoch_logs=[], bar=None, warned=False,
+                 saved=done)
 
-    while True:
-        start = time.perf_counter()
-        try:
-            logs = trainer.train_step(iterator)
-        except tf.errors.OutOfRangeError:
-            break
-        except _PEER_ERRORS as error:
-            raise WorkerLostError(
-                "A collective failed: another worker died, hung or timed out "
-                f"(see its log). This worker stops too. Cause: {error}"
-            ) from error
-        logs = {k: float(v) for k, v in logs.items()}
-        logs["examples_per_second"] = logs["items"] / (
-            time.perf_counter() - start)
+    def save(batch):
+        if checkpoints:
+            state["saved"] = batch
+            trainer.save(checkpoints)
+
+    def end_of_epoch(logs):
+        epoch_logs, bar = state["epoch_logs"], state["bar"]
+        record = {k: float(np.mean([r[k] for r in epoch_logs]))
+                  for k in shown if epoch_logs}
+        if eval_dataset is not None:
+            record.update({f"val_{k}": v for k, v in
+                           trainer.evaluate(eval_dataset).items()})
+        for k, v in record.items():
+            state["history"].setdefault(k, []).append(v)
+        log.write({"epoch": logs["epoch"], "batches": logs["batches"],
+                   "epoch_end": True, **record},
+                  step=int(logs["batches"]), prefix="epoch/")
+        save(int(logs["batches"]))
+        if bar is not None and bar._seen_so_far != bar.target:
+            bar.update(bar._seen_so_far, finalize=True)
+        state.update(bar=None, epoch_logs=[])
+
+    def after_window(logs):
         batch = int(logs["batches"])
-        if logs["items"] == 0:  # the end-of-epoch marker
-            record = {k: float(np.mean([r[k] for r in epoch_logs]))
-                      for k in shown if epoch_logs}
-            if eval_dataset is not None:
-                record.update({f"val_{k}": v for k, v in
-                               trainer.evaluate(eval_dataset).items()})
-            for k, v in record.items():
-                history.setdefault(k, []).append(v)
-            log.write({"epoch": logs["epoch"], "batches": logs["batches"],
-                       "epoch_end": True, **record}, step=batch,
-                      prefix="epoch/")
-            if checkpoints:
-                saved = batch
-                trainer.save(checkpoints)
-            if bar is not None and bar._seen_so_far != bar.target:
-                bar.update(bar._seen_so_far, finalize=True)
-            bar, epoch_logs = None, []
-            continue
-        if (logs["items"] < global_batch and opt_steps > 1 and not warned
+        if (logs["items"] < global_batch and opt_steps > 1
+                and not state["warned"]
                 and not isinstance(optimizer, GradientAccumulation)):
             warnings.warn(
-                f"A short batch ({int(logs['items'])} < {global_batch} items) "
-                f"was trained with {type(optimizer).__name__}, which takes no "
-                "item weights: its unequal micro-batches counted equally. Use "
-                "last_batch='drop' to skip short batches."
-            )
-            warned = True
-        epoch_logs.append(logs)
+                f"A short batch ({int(logs['items'])} < {global_batch} "
+                f"items) was trained with {type(optimizer).__name__}, which "
+                "takes no item weights: its unequal micro-batches counted "
+                "equally. Use last_batch='drop' to skip short batches.")
+            state["warned"] = True
+        state["epoch_logs"].append(logs)
         log.write(dict(logs, time=time.time()), step=batch)
         for callback in callbacks:
             callback(logs)
-        if bar is None and verbose and chief:
-            bar = keras.utils.Progbar(target if target > 0 else None,
-                                      stateful_metrics=["examples/s"])
-        if bar is not None:
-            bar.update(int(logs["batch_in_epoch"]),
-                       [(k, logs[k]) for k in shown]
-                       + [("examples/s", logs["examples_per_second"])])
-        if checkpoints and batch - saved >= checkpoint_every:
-            saved = batch
-            trainer.save(checkpoints)
-    return history
+        if state["bar"] is None and verbose and chief:
+            state["bar"] = keras.utils.Progbar(
+                target if target > 0 else None,
+                stateful_metrics=["examples/s"])
+        if state["bar"] is not None:
+            state["bar"].update(
+                int(logs["batch_in_epoch"]), [(k, logs[k]) for k in shown]
+                + [("examples/s", logs["examples_per_second"])])
+        if batch - state["saved"] >= checkpoint_every:
+            save(batch)
+
+    # Steps, saves and evaluations all communicate: a dead peer can surface
+    # in any of them.
+    with _peer_errors():
+        while True:
+            start = time.perf_counter()
+            try:
+                logs = trainer.train_step(iterator)
+            except tf.errors.OutOfRangeError:
+                break
+            logs = {k: float(v) for k, v in logs.items()}
+            logs["examples_per_second"] = logs["items"] / (
+                time.perf_counter() - start)
+            if logs["items"] == 0:  # the end-of-epoch marker
+                end_of_epoch(logs)
+            else:
+                after_window(logs)
+    return state["history"]

@@ -243,7 +243,7 @@ def test_plain_keras_optimizer_is_one_update_per_batch():
     assert_close(model.get_weights(), expected)
 
 
-def test_logs_metrics_and_evaluation(tmp_path):
+def test_logs_metrics_and_evaluation(tmp_path, capsys):
     rng = np.random.RandomState(4)
     x = rng.randn(16, 3).astype("float32")
     labels = rng.randint(0, 3, 16)
@@ -265,7 +265,9 @@ def test_logs_metrics_and_evaluation(tmp_path):
     history = training.train(
         model, opt, "sparse_categorical_crossentropy", dataset,
         strategy=strategy, workdir=str(tmp_path), metrics=["accuracy"],
-        eval_dataset=dataset, verbose=0)
+        eval_dataset=dataset, verbose=1)
+    progress = capsys.readouterr().out
+    assert "2/2" in progress and "examples/s" in progress
     final = loss_and_accuracy(x, labels)
     with open(tmp_path / "log.jsonl") as f:
         lines = [json.loads(line) for line in f]
