@@ -43,6 +43,18 @@ Design choices:
 * Multi-worker input. Data is sharded by DATA: every worker runs the whole
   pipeline and keeps its replicas' part of each global batch, so B items per
   step are the same items as on one machine.
+* Checkpoints hold the model, the optimizer (its accumulators, moments and
+  counters), the model's variable list (Keras keeps Dropout's SeedGenerator
+  state there; the loop itself draws no random numbers) and the data
+  counters. Every worker saves (reading replica-local state is a
+  collective); the chief writes to the workdir, the others to a temporary
+  directory deleted after. `train` saves at window ends; `micro_step` lets a
+  checkpoint fall inside a window.
+* Communication per window: one all-reduce of the micro-batch counts, one of
+  the logs (loss and metric sums), plus the optimizer's own
+  (`GradientAccumulation`: one gradient all-reduce per window).
+* BatchNorm statistics are computed per micro-batch (as in any accumulation
+  scheme), not over the window.
 
 The step function is traced once: its only argument is the iterator and all
 counters live in variables.
@@ -661,13 +673,15 @@ def train(model, optimizer, loss_fn, dataset, *, epochs=1, steps=None,
             (x, y, sample_weight); sample_weight may be a token mask of the
             loss's shape. Must be deterministic for exact resumption.
         epochs: passes over `dataset`.
-        steps: micro-batches per replica per update; defaults to (and must
-            equal) the optimizer's `steps`. Give this or `micro_batch_size`.
+        steps: micro-batches per replica per update. The optimizer's `steps`
+            decides it; this argument (or `micro_batch_size`, not both) only
+            states it, and a mismatch is an error.
         micro_batch_size: items per micro-batch on one replica; must divide
             the per-replica batch into the optimizer's `steps` parts.
         strategy: a `tf.distribute` strategy; default: the one in scope.
         workdir: directory for checkpoints/, log.jsonl, tensorboard/ and
-            config.json; None: nothing is written and nothing resumed.
+            config.json (written by the chief; every worker restores from
+            it, so it must be shared); None: nothing written or resumed.
         checkpoint_every: save every this many updates (windows), and at
             the end of each epoch.
         metrics: names ("accuracy", ...) or per-item functions, logged as
@@ -678,7 +692,7 @@ def train(model, optimizer, loss_fn, dataset, *, epochs=1, steps=None,
         eval_dataset: optional dataset of global batches evaluated at the end
             of each epoch (keys prefixed with "val_").
         callbacks: callables `fn(logs)` run on every worker after each
-            window, with `logs` a dict of floats (batch, epoch, loss, ...).
+            window, `logs` a dict of floats (loss, batches, epoch, ...).
         verbose: 1 for a progress bar on the chief, 0 for none.
 
     Returns:
