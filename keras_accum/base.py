@@ -89,6 +89,12 @@ def read_total(variable):
     return tf.convert_to_tensor(variable.value)
 
 
+def assign_total(variable, value):
+    """Cross-replica assign to a replica-local variable: each replica gets
+    value / replicas. No read-back (that would be one more reduction)."""
+    variable.value.assign(tf.cast(value, variable.dtype), read_value=False)
+
+
 class AccumulationOptimizer(optimizers.Optimizer):
     """Base class: one micro-batch per `apply`, one update per window."""
 
@@ -229,14 +235,16 @@ class AccumulationOptimizer(optimizers.Optimizer):
             )
 
     def _end_window(self, distribution, trainable_variables):
+        window = self._read_window(distribution)
+
         def update():
-            self._update(distribution, trainable_variables)
+            self._update(distribution, trainable_variables, window)
             self._iterations.assign_add(1)
 
         def drop():
             self._skipped_updates.assign_add(1)
 
-        window_ok = self._window_ok(distribution)
+        window_ok = self._window_ok(window)
         if self.nonfinite == "skip_window":
             clean = tf.equal(read_total(self._window_bad), 0)
             window_ok = clean if window_ok is None else window_ok & clean
@@ -245,7 +253,7 @@ class AccumulationOptimizer(optimizers.Optimizer):
         else:
             tf.cond(window_ok, update, drop)
         if self.nonfinite == "skip_window":
-            self._window_bad.assign(0)
+            assign_total(self._window_bad, 0)
         self._after_window(distribution)
 
     def _guarded(self, grads, fold, skip):
@@ -274,10 +282,15 @@ class AccumulationOptimizer(optimizers.Optimizer):
     def _accumulate(self, distribution, grads, variables, weight, start):
         raise NotImplementedError
 
-    def _update(self, distribution, variables):
+    def _read_window(self, distribution):
+        """Window-level totals read once at the boundary (cross-replica),
+        handed to `_window_ok` and `_update`; None by default."""
+        return None
+
+    def _update(self, distribution, variables, window):
         raise NotImplementedError
 
-    def _window_ok(self, distribution):
+    def _window_ok(self, window):
         """A boolean tensor saying whether the window may be applied, or
         None when it always is."""
         return None

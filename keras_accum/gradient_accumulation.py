@@ -199,14 +199,16 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
         self._guarded(grads, fold, skip=lambda: None)
 
-    def _window_ok(self, distribution):
+    def _read_window(self, distribution):
+        return base.read_total(self._weight)  # W, summed over replicas
+
+    def _window_ok(self, total_weight):
         if self.nonfinite == "skip_micro_batch":
             # Every micro-batch of the window skipped: nothing to apply.
-            return base.read_total(self._weight) > 0.0
+            return total_weight > 0.0
         return None
 
-    def _update(self, distribution, variables):
-        total_weight = base.read_total(self._weight)
+    def _update(self, distribution, variables, total_weight):
         accumulators = [
             self._accumulators[self._get_variable_index(v)] for v in variables
         ]
@@ -243,7 +245,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
             )
 
     def _after_window(self, distribution):
-        self._weight.assign(0.0)
+        base.assign_total(self._weight, 0.0)
 
     def get_config(self):
         return {

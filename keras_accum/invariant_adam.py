@@ -131,7 +131,7 @@ class InvariantAdam(base.AdamFamily):
             skip=lambda: fold_either([tf.zeros_like(g) for g in grads]),
         )
 
-    def _update(self, distribution, variables):
+    def _update(self, distribution, variables, window):
         learning_rate = self.learning_rate
         update_count = self._iterations + 1
         replicated = distribution.num_replicas_in_sync > 1
@@ -149,8 +149,8 @@ class InvariantAdam(base.AdamFamily):
             )
             if replicated:
                 # Spread the totals back evenly over the replicas.
-                m.assign(m_total)
-                v.assign(v_total)
+                base.assign_total(m, m_total)
+                base.assign_total(v, v_total)
 
     def _apply_moments(self, variable, m, v, learning_rate, update_count):
         alpha = self._adam_alpha(learning_rate, update_count, variable.dtype)

@@ -127,7 +127,7 @@ class UpdateAccumulationAdam(base.AdamFamily):
             lambda: update.assign_add(adam_step),
         )
 
-    def _update(self, distribution, variables):
+    def _update(self, distribution, variables, window):
         if self._updates is None:  # steps == 1: applied in the micro-step
             return
         learning_rate = self.learning_rate

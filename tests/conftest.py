@@ -4,6 +4,7 @@ Logical devices must be configured before TensorFlow initialises its
 runtime, which is why this happens at import time of the test session.
 """
 
+import functools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -16,3 +17,16 @@ tf.config.set_logical_device_configuration(
     _cpus[0],
     [tf.config.LogicalDeviceConfiguration()] * 2,
 )
+
+
+@functools.lru_cache(maxsize=None)
+def mirrored_strategy():
+    """The one MirroredStrategy (2 logical CPUs) of the test session.
+
+    On CPUs it all-reduces with collective ops, and every instance starts its
+    collective keys at the same group key: a second instance running other
+    collectives in the same process collides with the first ("Shape mismatch
+    in the collective instance"), a TensorFlow limitation. Tests share this
+    one; a test needing other cross-device ops must avoid collectives.
+    """
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

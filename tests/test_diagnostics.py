@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import mirrored_strategy
 import keras
 from hypothesis import given, settings, strategies as st
 
@@ -218,7 +219,7 @@ def test_callback_under_mirrored_strategy_matches_single_device():
         (rng.normal(size=(8, 3)).astype("float32"),
          rng.normal(size=(8, 1)).astype("float32")))
     plain = _linear_model()
-    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+    with mirrored_strategy().scope():
         mirrored = _linear_model()
     mirrored.set_weights(plain.get_weights())
     results = []

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import mirrored_strategy
 
 import keras_accum as ka
 
@@ -59,7 +60,7 @@ def test_invariant_adam_refuses_skip_window():
 
 
 def test_apply_in_cross_replica_context_is_an_error():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = mirrored_strategy()
     with strategy.scope():
         var = keras.Variable(np.zeros(2, "float32"))
         opt = ka.InvariantAdam(steps=2)

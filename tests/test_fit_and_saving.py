@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import mirrored_strategy
 
 import keras_accum as ka
 
@@ -34,8 +35,7 @@ def fit(make_optimizer, batch_size, strategy=None, x=X, y=Y):
     return model
 
 
-def mirrored():
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+mirrored = mirrored_strategy
 
 
 CASES = {
