@@ -19,6 +19,8 @@ Example:
 """
 
 import dataclasses
+import fcntl
+import pathlib
 import random
 
 import numpy as np
@@ -108,13 +110,16 @@ def builder(name, data_dir=None):
     if b.is_prepared():
         return b
     if name == Mnist1d.name:
-        config = tfds.download.DownloadConfig(try_download_gcs=False)
-        try:
-            b.download_and_prepare(download_config=config)
-        except FileExistsError:  # Another process (a worker) finished first.
+        # Workers of one job may prepare into the same folder at once, and
+        # TFDS deletes other processes' incomplete folders: take turns.
+        root = pathlib.Path(b.data_dir_root)
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / f".{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             b = tfds.builder(name, data_dir=data_dir)
             if not b.is_prepared():
-                raise
+                config = tfds.download.DownloadConfig(try_download_gcs=False)
+                b.download_and_prepare(download_config=config)
         return b
     raise FileNotFoundError(
         f"Dataset {name!r} is not prepared in "

@@ -34,6 +34,7 @@ import keras_accum as ka
 from keras_accum import data
 from keras_accum import diagnostics
 from keras_accum import models
+from keras_accum import training
 
 OPTIMIZERS = ("invariant_adam", "update_accumulation_adam",
               "gradient_accumulation")
@@ -102,12 +103,10 @@ def make_strategy(name):
     if name == "mirrored":
         return tf.distribute.MirroredStrategy()
     if name == "multi_worker":
-        # keras-team/keras#20585: model.fit is broken under this strategy in
-        # Keras 3.15; the custom loop in keras_accum.training handles it.
-        raise ValueError(
-            "strategy='multi_worker' runs through keras_accum.training's "
-            "custom loop, not model.fit; see README 'Multi-worker'."
-        )
+        # MultiWorkerMirroredStrategy from TF_CONFIG (a single process when
+        # it names one task). model.fit is broken under it in Keras 3.15
+        # (keras-team/keras#20585): these runs use keras_accum.training.
+        return training.strategy_from_environment()
     return tf.distribute.get_strategy()
 
 
@@ -188,17 +187,18 @@ def train_and_evaluate(config, workdir, resume=False):
         config = saved
     else:
         config = resolve_config(config)
+    keras.utils.set_random_seed(config["seed"])
+    if config["mixed_precision"]:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    strategy = make_strategy(config["strategy"])
+    # Multi-worker: every worker runs this; only the chief owns the folder.
+    if not resume and training.is_chief(strategy):
         if workdir.exists() and any(workdir.iterdir()):
             raise FileExistsError(
                 f"workdir={str(workdir)!r} is not empty; pass --resume to "
                 "continue that run or choose a new folder.")
         workdir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
-
-    keras.utils.set_random_seed(config["seed"])
-    if config["mixed_precision"]:
-        keras.mixed_precision.set_global_policy("mixed_float16")
-    strategy = make_strategy(config["strategy"])
     replicas = strategy.num_replicas_in_sync
     kappa = config["steps"] * replicas
     info = data.dataset_info(config["dataset"], config["data_dir"])
@@ -231,6 +231,9 @@ def train_and_evaluate(config, workdir, resume=False):
                 jit_compile=config["jit_compile"],
             )
 
+    if config["strategy"] == "multi_worker":
+        return _train_custom_loop(config, workdir, strategy, model, info,
+                                  window_examples, kappa)
     train = training_stream(config, global_micro_batch,
                             initial_epoch * steps_per_epoch)
     test = data.load(config["dataset"], "test", data_dir=config["data_dir"],
@@ -272,6 +275,61 @@ def train_and_evaluate(config, workdir, resume=False):
     (workdir / "final.json").write_text(json.dumps(final, indent=2))
     plot_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
+
+
+def _train_custom_loop(config, workdir, strategy, model, info,
+                       window_examples, kappa):
+    """The multi-worker path: keras_accum.training's compiled window step.
+
+    Each global batch of the seeded stream is one whole window; the loop
+    keeps its checkpoints, per-window log and summaries in workdir/loop and
+    resumes from them by itself. Only the chief writes the run folder.
+    """
+    train = data.load(config["dataset"], "train", data_dir=config["data_dir"],
+                      shuffle_seed=config["seed"], batch_size=window_examples,
+                      drop_remainder=True)
+    test = data.load(config["dataset"], "test", data_dir=config["data_dir"],
+                     batch_size=1000)
+    start = time.time()
+    history = training.train(
+        model, model.optimizer, model.loss, train, epochs=config["epochs"],
+        strategy=strategy, workdir=str(workdir / "loop"),
+        metrics=["accuracy"], eval_dataset=test,
+        verbose=1 if config["verbose"] else 0)
+    evaluation = training.Trainer(model, model.optimizer, model.loss,
+                                  strategy=strategy,
+                                  metrics=["accuracy"]).evaluate(test)
+    final = {
+        "test_loss": float(evaluation["loss"]),
+        "test_accuracy": float(evaluation["accuracy"]),
+        "epochs": config["epochs"],
+        "kappa": kappa,
+        "updates": int(np.asarray(model.optimizer.iterations)),
+        "train_seconds_this_session": round(time.time() - start, 1),
+    }
+    if training.is_chief(strategy):
+        _append_metrics(workdir / "metrics.csv", history)
+        (workdir / "final.json").write_text(json.dumps(final, indent=2))
+        plot_curves(workdir / "metrics.csv", workdir / "curves.png")
+    return final
+
+
+def _append_metrics(metrics_csv, history):
+    """Per-epoch means from `training.train` as CSV rows (epoch from 0)."""
+    import csv
+
+    keys = sorted(history)
+    epochs = len(history.get("loss", []))
+    done = 0
+    if metrics_csv.exists():
+        with open(metrics_csv) as f:
+            done = max(0, sum(1 for _ in f) - 1)
+    with open(metrics_csv, "a", newline="") as f:
+        writer = csv.writer(f)
+        if not done:
+            writer.writerow(["epoch"] + keys)
+        for e in range(epochs):
+            writer.writerow([done + e] + [history[k][e] for k in keys])
 
 
 def plot_curves(metrics_csv, png):

@@ -1,6 +1,10 @@
 """keras_accum.data: offline MNIST-1D, fail-fast TFDS, synthetic tokens."""
 
+import os
+import pathlib
 import random
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -44,19 +48,21 @@ def test_mnist1d_is_not_regenerated(data_dir, monkeypatch):
     assert data.builder("mnist1d", data_dir=data_dir).is_prepared()
 
 
-def test_mnist1d_preparation_tolerates_a_concurrent_writer(tmp_path,
-                                                           monkeypatch):
-    # Workers sharing a data_dir race; the loser's final rename fails.
-    generate = data.Mnist1d._download_and_prepare
-
-    def other_process_finishes_first(self, *args, **kwargs):
-        monkeypatch.undo()
-        data.Mnist1d(data_dir=tmp_path).download_and_prepare()
-        return generate(self, *args, **kwargs)
-
-    monkeypatch.setattr(data.Mnist1d, "_download_and_prepare",
-                        other_process_finishes_first)
-    assert data.builder("mnist1d", data_dir=tmp_path).is_prepared()
+def test_mnist1d_prepared_by_two_processes_at_once(tmp_path):
+    # Workers of one job share a data_dir; TFDS deletes other processes'
+    # incomplete folders, so unguarded they fail (seen with 2 workers).
+    code = ("import sys; from keras_accum import data; "
+            "b = data.builder('mnist1d', data_dir=sys.argv[1]); "
+            "print(b.info.splits['train'].num_examples)")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=str(pathlib.Path(data.__file__).parents[1]))
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env) for _ in range(2)]
+    for worker in workers:
+        out, err = worker.communicate(timeout=180)
+        assert worker.returncode == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == "4000"
 
 
 def test_make_mnist1d_leaves_global_rngs_alone():

@@ -128,3 +128,22 @@ def test_script_trains_and_reports(data_dir, tmp_path):
     assert "Final test accuracy:" in result.stdout
     config = json.loads((tmp_path / "run/config.json").read_text())
     assert config["steps"] == 2 and config["epochs"] == 1
+
+
+def test_script_runs_two_local_workers(data_dir, tmp_path):
+    # strategy=multi_worker goes through keras_accum.training (model.fit is
+    # broken under MultiWorkerMirroredStrategy in Keras 3.15). Two processes
+    # on 127.0.0.1, one replica each: kappa = steps x 2.
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_accum.multiworker", "--num_workers", "2",
+         "--timeout", "240", "--", sys.executable, str(ROOT / "scripts/train.py"),
+         "--config", "saved_configs/mnist1d_cnn_invariant.py",
+         "--strategy", "multi_worker", "--epochs", "1", "--data_dir", data_dir,
+         "--workdir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    final = json.loads((tmp_path / "run/final.json").read_text())
+    assert final["kappa"] == 4 * 2
+    assert final["updates"] == 4000 // (25 * 4 * 2)
+    rows = list(csv.DictReader(open(tmp_path / "run/metrics.csv")))
+    assert len(rows) == 1 and float(rows[0]["loss"]) > 0
