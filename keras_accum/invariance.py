@@ -370,7 +370,7 @@ def run_study(config, workdir):
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(
         json.dumps(config, indent=2, sort_keys=True))
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
 
     info = data.dataset_info(config["dataset"], config["data_dir"])
     x_train, y_train = load_arrays(config["dataset"], "train",
@@ -451,15 +451,17 @@ def run_study(config, workdir):
     write_csv(workdir / "runs.csv", rows)
     write_csv(workdir / "noise_scale.csv", noise_rows)
     train_seconds = time.time() - started
+    cpu_seconds = time.process_time() - cpu_started
     summary_rows = summarize(rows, config)
-    (workdir / "spread.md").write_text(
-        markdown_report(summary_rows, noise_rows, config, train_seconds))
+    (workdir / "spread.md").write_text(markdown_report(
+        summary_rows, noise_rows, config, train_seconds, cpu_seconds))
     plot_spread(summary_rows, config, workdir / "spread_vs_lr.png")
     for lr in config["plot_learning_rates"]:
         plot_curves(rows, config, lr, workdir / f"curves_lr_{lr:g}.png")
     summary = {"runs": done, "rows": len(rows),
                "seconds": round(time.time() - started, 1),
-               "seconds_training": round(train_seconds, 1)}
+               "seconds_training": round(train_seconds, 1),
+               "cpu_seconds_training": round(cpu_seconds, 1)}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     _log(config, f"Done in {summary['seconds'] / 60:.1f} min: {workdir}/ "
          "(runs.csv, spread.md, spread_vs_lr.png, curves_lr_*.png, "
@@ -539,7 +541,7 @@ def _fmt(mean_std):
     return f"{mean:.2e}" if math.isnan(std) else f"{mean:.2e} ± {std:.1e}"
 
 
-def markdown_report(summary_rows, noise_rows, config, seconds):
+def markdown_report(summary_rows, noise_rows, config, seconds, cpu_seconds):
     """The spread tables and the noise scale, in Markdown."""
     k1 = min(config["kappas"])
     lines = [
@@ -552,7 +554,8 @@ def markdown_report(summary_rows, noise_rows, config, seconds):
         "'run' = averaged over the evaluation points after the start, "
         f"'end' = at the last one. Train loss on {config['train_eval_examples']}"
         " fixed training examples. Run time "
-        f"{seconds / 60:.1f} min.",
+        f"{seconds / 60:.1f} min wall clock, {cpu_seconds / 60:.1f} min CPU"
+        " (all threads).",
         "",
         "| method | base lr | train loss, run | train loss, end | "
         "test loss, run | test loss, end | test acc, run | test acc, end | "
@@ -628,6 +631,9 @@ def plot_spread(summary_rows, config, png):
             ax.errorbar(lrs, mean, yerr=std, marker="o", capsize=3,
                         label=method)
         ax.set_xscale("log")
+        ax.set_xticks(config["learning_rates"],
+                      [f"{lr:g}" for lr in config["learning_rates"]])
+        ax.xaxis.set_minor_formatter("")
         if all(e[f"{metric}_mean"][0] > 0 for e in summary_rows):
             ax.set_yscale("log")
         ax.set_xlabel("base learning rate (kappa = 1)")
