@@ -454,7 +454,7 @@ def run_study(config, workdir):
     cpu_seconds = time.process_time() - cpu_started
     summary_rows = summarize(rows, config)
     (workdir / "spread.md").write_text(markdown_report(
-        summary_rows, noise_rows, config, train_seconds, cpu_seconds))
+        summary_rows, noise_rows, config, train_seconds, cpu_seconds, rows))
     plot_spread(summary_rows, config, workdir / "spread_vs_lr.png")
     for lr in config["plot_learning_rates"]:
         plot_curves(rows, config, lr, workdir / f"curves_lr_{lr:g}.png")
@@ -511,15 +511,16 @@ def _mean_std(values):
 
 def summarize(rows, config):
     """A dict per (method, lr): spread mean and seed std of each metric
-    (over the run and at the end), and the kappa = 1 train loss at the
-    start and the end (context: how far training went)."""
+    (over the run and at the end), and at the smallest kappa the train loss
+    at the start and the end and the final test accuracy (context: how far
+    training went)."""
     s = spreads(rows, config["kappas"])
     k1 = min(config["kappas"])
-    start_end = {}
+    curves = {}
     for r in rows:
         if r["kappa"] == k1:
-            start_end.setdefault((r["method"], r["learning_rate"], r["seed"]),
-                                 {})[r["examples"]] = r["train_loss"]
+            curves.setdefault((r["method"], r["learning_rate"], r["seed"]),
+                              {})[r["examples"]] = r
     out = []
     for method in config["methods"]:
         for lr in config["learning_rates"]:
@@ -529,9 +530,12 @@ def summarize(rows, config):
                 for i, when in enumerate(("mean", "end")):
                     entry[f"{metric}_{when}"] = _mean_std(
                         [s[k][metric][i] for k in keys])
-            curves = [start_end[k] for k in keys]
-            entry["start_loss"] = float(np.mean([c[0] for c in curves]))
-            entry["end_loss"] = float(np.mean([c[max(c)] for c in curves]))
+            ends = [curves[k][max(curves[k])] for k in keys]
+            entry["start_loss"] = float(np.mean(
+                [curves[k][0]["train_loss"] for k in keys]))
+            entry["end_loss"] = float(np.mean([e["train_loss"] for e in ends]))
+            entry["end_accuracy"] = float(np.mean(
+                [e["test_accuracy"] for e in ends]))
             out.append(entry)
     return out
 
@@ -541,7 +545,8 @@ def _fmt(mean_std):
     return f"{mean:.2e}" if math.isnan(std) else f"{mean:.2e} ± {std:.1e}"
 
 
-def markdown_report(summary_rows, noise_rows, config, seconds, cpu_seconds):
+def markdown_report(summary_rows, noise_rows, config, seconds, cpu_seconds,
+                    rows):
     """The spread tables and the noise scale, in Markdown."""
     k1 = min(config["kappas"])
     lines = [
@@ -570,21 +575,39 @@ def markdown_report(summary_rows, noise_rows, config, seconds, cpu_seconds):
     # Compact view: the figure's numbers, one column per method.
     methods, lrs = config["methods"], config["learning_rates"]
     by = {(e["method"], e["learning_rate"]): e for e in summary_rows}
+    pair = {"invariant", "sqrt"} <= set(methods)
     lines += ["", "Train-loss spread averaged over the run (the y axis of "
-              "spread_vs_lr.png):", "",
+              f"spread_vs_lr.png), and the kappa={k1} test accuracy at the "
+              "end (which base lr one would pick at kappa = 1):", "",
               "| base lr | " + " | ".join(methods) + " |"
-              + (" invariant / sqrt |" if {"invariant", "sqrt"} <= set(methods)
-                 else ""),
-              "|---" * (len(methods) + 1
-                        + ({"invariant", "sqrt"} <= set(methods))) + "|"]
+              + (" invariant / sqrt |" if pair else "")
+              + f" kappa={k1} test acc |",
+              "|---" * (len(methods) + 2 + pair) + "|"]
     for lr in lrs:
         cells = [f"{lr:g}"] + [f"{by[m, lr]['train_loss_mean'][0]:.2e}"
                                for m in methods]
-        if {"invariant", "sqrt"} <= set(methods):
+        if pair:
             inv = by["invariant", lr]["train_loss_mean"][0]
             sq = by["sqrt", lr]["train_loss_mean"][0]
             cells.append(f"{inv / sq:.3f}" if sq > 0 else "n/a")
+        cells.append(f"{by[methods[0], lr]['end_accuracy']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
+    # Where does invariance break: the same spread over kappa <= K.
+    kappas = sorted(config["kappas"])
+    if len(kappas) > 2:
+        subsets = [kappas[:i] for i in range(2, len(kappas) + 1)]
+        by_subset = [spreads(rows, sub) for sub in subsets]
+        lines += ["", "Train-loss spread (mean over the run and the seeds) "
+                  "over the kappas up to K only, per method:", "",
+                  "| base lr | method | " + " | ".join(
+                      f"K={sub[-1]}" for sub in subsets) + " |",
+                  "|---|---" + "|---" * len(subsets) + "|"]
+        for lr in lrs:
+            for m in methods:
+                cells = [f"{lr:g}", m] + [
+                    f"{np.mean([sp[m, lr, seed]['train_loss'][0] for seed in config['seeds']]):.2e}"
+                    for sp in by_subset]
+                lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Gradient noise scale B_simple (`GradientNoiseScale`, "
               f"{config['noise_scale_windows']} probe windows of "
               f"{config['noise_scale_kappa']} x {config['micro_batch_size']}"
