@@ -293,18 +293,25 @@ class Trainer:
             # (single) trace on its own instead of warning about retracing.
             train_chunk = tf.function(functools.partial(
                 _train_chunk, self._gradient_fn, optimizer, variables))
-            self._runners[key] = (optimizer, train_chunk)
+            h = optimizer_hyperparameters(method, kappa, 1e-3,
+                                          *self.betas_epsilon)
+            built_with = {k: v for k, v in h.items() if k != "learning_rate"}
+            self._runners[key] = (optimizer, train_chunk, built_with)
         return self._runners[key]
 
     def run(self, method, kappa, base_lr, weights, xs, ys, chunk):
         """Trains from `weights` on the micro-batches `xs`, `ys` (shapes
         [n, b, ...], [n, b]), evaluating at the start and every `chunk`
         micro-batches. Returns a list of dicts: examples, updates, metrics."""
-        optimizer, train_chunk = self._runner(method, kappa)
-        for variable in optimizer.variables:
-            variable.assign(tf.zeros(variable.shape, variable.dtype))
+        optimizer, train_chunk, built_with = self._runner(method, kappa)
         h = optimizer_hyperparameters(method, kappa, base_lr,
                                       *self.betas_epsilon)
+        fixed = {k: v for k, v in h.items() if k != "learning_rate"}
+        if fixed != built_with:  # Betas compiled in must not depend on lr.
+            raise ValueError(f"{method} at kappa={kappa}: {fixed} differ "
+                             f"from the compiled {built_with}.")
+        for variable in optimizer.variables:
+            variable.assign(tf.zeros(variable.shape, variable.dtype))
         optimizer.learning_rate = h["learning_rate"]
         for variable, value in zip(self.model.weights, weights):
             variable.assign(value)
@@ -328,7 +335,7 @@ class Trainer:
         if key not in self._probes:
             tracker = diagnostics.GradientNoiseScale(ema)
 
-            @tf.function
+            @tf.function(autograph=False)  # no control flow to convert
             def probe(xw, yw):  # [kappa, b, ...]: one window, compiled
                 micro = [self._gradient_fn(xw[j], yw[j]) for j in range(kappa)]
                 tracker.update_from_micro_grads(micro, micro_batch_size)
