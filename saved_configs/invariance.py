@@ -9,8 +9,8 @@ learning rates tuned at kappa = 1. Whole-command run times measured on the
     (4.5 min CPU). Its results are docs/INVARIANCE.md.
     python scripts/invariance.py --config saved_configs/invariance.py --variant full --workdir runs/invariance-full
 
-    quick: 117 runs, 3 lrs x 3 seeds, 16384 examples each; 1.6 min wall
-    (1.1 min CPU).
+    quick: 117 runs, 3 lrs x 3 seeds, 16384 examples each; 1.2-1.6 min
+    wall depending on load (1.1 min CPU).
     python scripts/invariance.py --config saved_configs/invariance.py --variant quick --workdir runs/invariance-quick
 
     smoke: 18 runs of 512 examples, kappa in {1, 2, 4}; 31 s wall including
