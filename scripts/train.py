@@ -20,6 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "saved_configs/*.py file or run folder.")
@@ -61,6 +62,7 @@ def parse_flags(argv):
 
 
 def main(argv):
+    logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset read
     if len(argv) > 1:
         sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
     from keras_accum import experiment
