@@ -262,6 +262,7 @@ def train_and_evaluate(config, workdir, resume=False):
     if initial_epoch < config["epochs"]:
         model.fit(train, epochs=config["epochs"], initial_epoch=initial_epoch,
                   steps_per_epoch=steps_per_epoch, validation_data=test,
+                  shuffle=False,  # the stream is shuffled, seeded
                   callbacks=callbacks, verbose=verbose)
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
     final = {
