@@ -1,0 +1,68 @@
+"""Benchmarks the keras_accum optimizers against Keras's own accumulation.
+
+Full run (about 12 minutes on 2 cores; writes runs/bench/results.md, .json,
+samples.csv and config.json):
+
+    python scripts/bench.py --output=runs/bench
+
+Smoke test (tiny sizes, numbers meaningless):
+
+    python scripts/bench.py --quick --output=/tmp/bench_quick
+
+What is measured and how: see the docstring of `keras_accum/bench.py`.
+"""
+
+import os
+import shlex
+import sys
+
+from absl import app
+from absl import flags
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+flags.DEFINE_bool("quick", False, "Tiny sizes, for a smoke test.")
+flags.DEFINE_integer("repeats", None, "Timed rounds per (setting, model).")
+flags.DEFINE_integer("steps", None, "N: micro-batches per window.")
+flags.DEFINE_integer("micro_batch", None, "b: examples per micro-batch.")
+flags.DEFINE_integer("windows", None,
+                     "Windows per train-function call (K = steps x windows).")
+flags.DEFINE_list("models", None, "Models to run (cnn, mlp).")
+flags.DEFINE_list("contenders", None, "Contenders (see CONTENDERS).")
+flags.DEFINE_list("settings", None, "Settings: graph, xla, mirrored.")
+flags.DEFINE_float("min_sample_seconds", None,
+                   "A timed sample repeats calls until it lasts this long.")
+flags.DEFINE_bool("rss", None, "Measure peak RSS in one subprocess per "
+                  "(model, contender).")
+flags.DEFINE_string("output", None, "Directory for results.md, results.json, "
+                    "samples.csv and config.json.")
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    from keras_accum import bench  # Imports TensorFlow.
+
+    overrides = {
+        name: getattr(FLAGS, name)
+        for name in ("repeats", "steps", "micro_batch", "windows",
+                     "min_sample_seconds", "rss")
+        if getattr(FLAGS, name) is not None
+    }
+    for name in ("models", "contenders", "settings"):
+        if getattr(FLAGS, name):
+            overrides[name] = tuple(getattr(FLAGS, name))
+    config = bench.BenchConfig(quick=FLAGS.quick, **overrides)
+    result = bench.run(config)
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    print(bench.markdown(result, command))
+    if FLAGS.output:
+        bench.write_outputs(result, FLAGS.output, command)
+        print(f"Wrote {FLAGS.output}/results.md, results.json, samples.csv, "
+              "config.json", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    app.run(main)
