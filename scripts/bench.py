@@ -12,6 +12,7 @@ Smoke test (tiny sizes, numbers meaningless):
 What is measured and how: see the docstring of `keras_accum/bench.py`.
 """
 
+import json
 import os
 import shlex
 import sys
@@ -37,6 +38,12 @@ flags.DEFINE_bool("rss", None, "Measure peak RSS in one subprocess per "
                   "(model, contender).")
 flags.DEFINE_string("output", None, "Directory for results.md, results.json, "
                     "samples.csv and config.json.")
+flags.DEFINE_string("splice", None, "FILE:SECTION, e.g. BENCHMARKS.md:main: "
+                    "put the Markdown report between <!-- bench:SECTION --> "
+                    "and <!-- /bench:SECTION --> in FILE.")
+
+flags.DEFINE_string("render", None, "A results.json of an earlier run: "
+                    "print (and --splice) its report again without running.")
 
 FLAGS = flags.FLAGS
 
@@ -54,11 +61,22 @@ def main(argv):
     for name in ("models", "contenders", "settings"):
         if getattr(FLAGS, name):
             overrides[name] = tuple(getattr(FLAGS, name))
-    config = bench.BenchConfig(quick=FLAGS.quick, **overrides)
-    result = bench.run(config)
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    print(bench.markdown(result, command))
-    if FLAGS.output:
+    if FLAGS.render:
+        # Same numbers, same command: only the presentation is redone.
+        with open(FLAGS.render) as f:
+            result = json.load(f)
+        result["targets"] = bench.evaluate_targets(result)
+        command = result.get("command")
+    else:
+        config = bench.BenchConfig(quick=FLAGS.quick, **overrides)
+        result = bench.run(config)
+        command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    report = bench.markdown(result, command)
+    print(report)
+    if FLAGS.splice:
+        path, section = FLAGS.splice.rsplit(":", 1)
+        bench.splice_markdown(path, section, report)
+    if FLAGS.output and not FLAGS.render:
         bench.write_outputs(result, FLAGS.output, command)
         print(f"Wrote {FLAGS.output}/results.md, results.json, samples.csv, "
               "config.json", file=sys.stderr)
