@@ -94,7 +94,8 @@ class BenchConfig:
     warmup: int = 2  # untimed calls after the warm-up fit.
     min_sample_seconds: float = 0.2  # a sample repeats calls to last this.
     rss: bool = True  # peak RSS per (model, contender) in subprocesses.
-    rss_jobs: int = 1  # RSS subprocesses at a time.
+    timing: bool = True  # the timed groups (off: only memory / copies).
+    xla_copies: bool = False  # count XLA copies per (model, contender).
     quick: bool = False  # tiny sizes: a smoke test, not a measurement.
     seed: int = 0
 
@@ -524,14 +525,58 @@ def measure_rss(model_name, contender_name, config):
             "bytes_per_param": runner.bytes_per_param}
 
 
-def _run_worker(task, config, timeout=3600):
+def measure_xla_copies(model_name, contender_name, config, dump_dir):
+    """Compiles one contender's step with XLA (in a child whose XLA_FLAGS
+    dump the optimised HLO to `dump_dir`) and counts the elements its `copy`
+    instructions move, per trainable parameter.
+
+    Copies in the entry computation run every micro-step; those inside a
+    conditional's branches run when the branch is taken (a window's end, or
+    every step for a non-finite check that passes). A fused in-place update
+    needs none; each parameter-sized copy reads and writes 8 bytes per
+    parameter.
+    """
+    import glob
+    import re
+
+    spec = MODELS[model_name]
+    runner = FitRunner(spec, CONTENDERS[contender_name], config,
+                       tf.distribute.get_strategy(), jit_compile=True)
+    files = sorted(
+        f for f in glob.glob(os.path.join(dump_dir, "*one_step_on_data*"
+                                          "after_optimizations.txt")))
+    if not files:
+        raise RuntimeError(f"No optimised HLO dumped under {dump_dir}.")
+    counts = {"entry": 0, "branches": 0}
+    where = None
+    shape = re.compile(r"= f32\[([\d,]*)\]\S* copy\(")
+    with open(files[-1]) as f:
+        for line in f:
+            if line.endswith("{\n") and not line.startswith(" "):
+                where = "entry" if line.startswith("ENTRY") else "branches"
+            match = shape.search(line)
+            if match and where:
+                dims = [int(d) for d in match.group(1).split(",") if d]
+                counts[where] += int(np.prod(dims)) if dims else 1
+    return {"entry": counts["entry"] / runner.params,
+            "branches": counts["branches"] / runner.params,
+            "params": runner.params}
+
+
+def _run_worker(task, config, timeout=3600, env_extra=None):
     """Runs `_worker` in a fresh Python; returns its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
+        task = dict(task, tmp=tmp)
         payload = json.dumps({"task": task,
                               "config": dataclasses.asdict(config),
                               "out": out})
         env = dict(os.environ)
+        if task["kind"] == "xla_copies":
+            # Read by XLA when it first compiles, in the child.
+            env["XLA_FLAGS"] = (f"--xla_dump_to={tmp}/hlo "
+                                "--xla_dump_hlo_as_text")
+        env.update(env_extra or {})
         package_root = os.path.dirname(os.path.dirname(ka.__file__))
         env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -550,9 +595,10 @@ def _worker(payload):
     """Subprocess entry: configures devices first, then runs one task."""
     payload = json.loads(payload)
     task = payload["task"]
+    known = {field.name for field in dataclasses.fields(BenchConfig)}
     config = BenchConfig(**{
         k: tuple(v) if isinstance(v, list) else v
-        for k, v in payload["config"].items()})
+        for k, v in payload["config"].items() if k in known})
     if task["kind"] == "group":
         replicas = SETTINGS[task["setting"]][1]
         # Logical CPUs must be configured before TensorFlow initialises.
@@ -560,6 +606,9 @@ def _worker(payload):
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
         result = run_group(task["model"], task["setting"], config)
+    elif task["kind"] == "xla_copies":
+        result = measure_xla_copies(task["model"], task["contender"], config,
+                                    os.path.join(task["tmp"], "hlo"))
     else:
         result = measure_rss(task["model"], task["contender"], config)
     with open(payload["out"], "w") as f:
@@ -690,6 +739,9 @@ COST_COLUMNS = (
     "implied GB/s (TF ops beyond gradients_only)",
 )
 TARGET_COLUMNS = ("target", "setting", "model", "measured", "met")
+COPY_COLUMNS = ("model", "optimizer",
+                "copied elements / params: every step (entry)",
+                "in conditional branches")
 
 
 def _table(columns, lines):
@@ -746,6 +798,9 @@ def markdown(result, command=None):
     ]
     if command:
         parts += ["### Command", "", "```", command, "```", ""]
+    if not result["rows"]:
+        parts += _copies_section(result)
+        return "\n".join(parts)
     parts += [
         f"N = {config['steps']} micro-batches per window, b = "
         f"{config['micro_batch']} examples per micro-batch, "
@@ -805,7 +860,22 @@ def markdown(result, command=None):
                       num(c["ops"], ".1f"), num(c["ns_per_param"], ".2f"),
                       num(c["implied_gb_s"], ".1f")])
     parts += [_table(COST_COLUMNS, lines), ""]
+    parts += _copies_section(result)
     return "\n".join(parts)
+
+
+def _copies_section(result):
+    if not result.get("xla_copies"):
+        return []
+    lines = []
+    for c in result["xla_copies"]:
+        if "error" in c:
+            lines.append([c["model"], c["contender"], "failed", "-"])
+            continue
+        lines.append([c["model"], c["contender"], f"{c['entry']:.2f}",
+                      f"{c['branches']:.2f}"])
+    return ["### XLA copies in the compiled step (elements / parameters)", "",
+            _table(COPY_COLUMNS, lines), ""]
 
 
 def write_outputs(result, directory, command=None):
@@ -886,7 +956,7 @@ def run(config=None):
                              f"{', '.join(SETTINGS)}")
     started = time.time()
     rows = []
-    for setting in config.settings:
+    for setting in config.settings if config.timing else ():
         for model_name in config.models:
             _log(f"== {setting} / {model_name}")
             if SETTINGS[setting][1] > 1:
@@ -909,10 +979,23 @@ def run(config=None):
     for row in rows:
         if row["setting"] == "graph":
             row["rss"] = rss.get(f"{row['model']}/{row['contender']}")
+    copies = []
+    if config.xla_copies:
+        for model_name in config.models:
+            for name in config.contenders:
+                _log(f"XLA copies: {model_name} / {name} (subprocess)")
+                task = {"kind": "xla_copies", "model": model_name,
+                        "contender": name}
+                try:
+                    found = _run_worker(task, config)
+                except (RuntimeError, subprocess.TimeoutExpired) as error:
+                    found = {"error": str(error)}
+                copies.append(dict(found, model=model_name, contender=name))
     result = {
         "config": dataclasses.asdict(config),
         "machine": machine_info(),
         "rows": rows,
+        "xla_copies": copies,
         "seconds": time.time() - started,
     }
     result["targets"] = evaluate_targets(result)

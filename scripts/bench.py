@@ -36,6 +36,9 @@ flags.DEFINE_float("min_sample_seconds", None,
                    "A timed sample repeats calls until it lasts this long.")
 flags.DEFINE_bool("rss", None, "Measure peak RSS in one subprocess per "
                   "(model, contender).")
+flags.DEFINE_bool("timing", None, "Run the timed groups (default true).")
+flags.DEFINE_bool("xla_copies", None, "Count the elements XLA copies per "
+                  "step, per (model, contender), from the optimised HLO.")
 flags.DEFINE_string("output", None, "Directory for results.md, results.json, "
                     "samples.csv and config.json.")
 flags.DEFINE_string("splice", None, "FILE:SECTION, e.g. BENCHMARKS.md:main: "
@@ -55,7 +58,7 @@ def main(argv):
     overrides = {
         name: getattr(FLAGS, name)
         for name in ("repeats", "steps", "micro_batch", "windows",
-                     "min_sample_seconds", "rss")
+                     "min_sample_seconds", "rss", "timing", "xla_copies")
         if getattr(FLAGS, name) is not None
     }
     for name in ("models", "contenders", "settings"):
