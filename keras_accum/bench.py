@@ -47,8 +47,17 @@ How a time is taken:
 * MirroredStrategy needs 2 logical CPUs configured before TensorFlow
   initialises: that setting runs in a subprocess too (`_worker`).
 
-To add a contender (e.g. a custom training loop), register a `Contender`
-whose `runner` is a class with the interface of `FitRunner`.
+To add a contender, register it; a custom training loop (e.g. one from
+`keras_accum.training`) brings its own runner, a class with the interface
+of `FitRunner` (constructor arguments, `call`, `trace_count`, ...):
+
+    register(Contender(
+        "loop_gradient_accumulation", "GradientAccumulation, custom loop",
+        "ours",
+        lambda steps: ka.GradientAccumulation(keras.optimizers.Adam(), steps),
+        runner=LoopRunner))
+
+and `--contenders=...,loop_gradient_accumulation` times it beside the rest.
 """
 
 import dataclasses
@@ -532,9 +541,10 @@ def measure_xla_copies(model_name, contender_name, config, dump_dir):
 
     Copies in the entry computation run every micro-step; those inside a
     conditional's branches run when the branch is taken (a window's end, or
-    every step for a non-finite check that passes). A fused in-place update
-    needs none; each parameter-sized copy reads and writes 8 bytes per
-    parameter.
+    every step for a non-finite check that passes); "other" are copies in
+    fusions and loop bodies (layout changes of activations, mostly). A fused
+    in-place update needs none; each parameter-sized copy reads and writes 8
+    bytes per parameter.
     """
     import glob
     import re
@@ -547,20 +557,24 @@ def measure_xla_copies(model_name, contender_name, config, dump_dir):
                                           "after_optimizations.txt")))
     if not files:
         raise RuntimeError(f"No optimised HLO dumped under {dump_dir}.")
-    counts = {"entry": 0, "branches": 0}
+    counts = {"entry": 0, "branches": 0, "other": 0}
     where = None
     shape = re.compile(r"= f32\[([\d,]*)\]\S* copy\(")
     with open(files[-1]) as f:
         for line in f:
             if line.endswith("{\n") and not line.startswith(" "):
-                where = "entry" if line.startswith("ENTRY") else "branches"
+                name = line.split(" ", 1)[0]
+                if line.startswith("ENTRY"):
+                    where = "entry"
+                elif "_cond" in name or "cond_" in name:
+                    where = "branches"  # tf.cond branches keep their names.
+                else:
+                    where = "other"  # fusions, loop bodies, ...
             match = shape.search(line)
             if match and where:
                 dims = [int(d) for d in match.group(1).split(",") if d]
                 counts[where] += int(np.prod(dims)) if dims else 1
-    return {"entry": counts["entry"] / runner.params,
-            "branches": counts["branches"] / runner.params,
-            "params": runner.params}
+    return {key: value / runner.params for key, value in counts.items()}
 
 
 def _run_worker(task, config, timeout=3600, env_extra=None):
@@ -741,7 +755,7 @@ COST_COLUMNS = (
 TARGET_COLUMNS = ("target", "setting", "model", "measured", "met")
 COPY_COLUMNS = ("model", "optimizer",
                 "copied elements / params: every step (entry)",
-                "in conditional branches")
+                "in conditional branches", "elsewhere (fusions, loops)")
 
 
 def _table(columns, lines):
@@ -870,10 +884,10 @@ def _copies_section(result):
     lines = []
     for c in result["xla_copies"]:
         if "error" in c:
-            lines.append([c["model"], c["contender"], "failed", "-"])
+            lines.append([c["model"], c["contender"], "failed", "-", "-"])
             continue
         lines.append([c["model"], c["contender"], f"{c['entry']:.2f}",
-                      f"{c['branches']:.2f}"])
+                      f"{c['branches']:.2f}", f"{c.get('other', 0):.2f}"])
     return ["### XLA copies in the compiled step (elements / parameters)", "",
             _table(COPY_COLUMNS, lines), ""]
 
