@@ -360,9 +360,9 @@ def plot_curves(metrics_csv, png):
     plt.close(fig)
 
 
-def load_config_file(path):
-    """A config from a saved_configs/*.py file (its `get_config()`) or from
-    a run folder's config.json."""
+def load_config_file(path, *args):
+    """A config from a saved_configs/*.py file (its `get_config(*args)`) or
+    from a run folder's config.json (then `args` are ignored)."""
     path = pathlib.Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -374,5 +374,5 @@ def load_config_file(path):
     exec(compile(path.read_text(), str(path), "exec"), namespace)
     if "get_config" not in namespace:
         raise ValueError(f"{path} defines no get_config().")
-    return namespace["get_config"]()
+    return namespace["get_config"](*args)
 

@@ -58,6 +58,7 @@ import tensorflow as tf
 import keras_accum as ka
 from keras_accum import data
 from keras_accum import diagnostics
+from keras_accum import experiment
 from keras_accum import models
 
 METHODS = ("invariant", "sqrt", "update_accumulation", "plain")
@@ -157,18 +158,7 @@ def resolve_config(config):
 def load_config_file(path, variant):
     """`get_config(variant)` of a saved_configs/*.py file, or a run
     folder's config.json (then `variant` is ignored)."""
-    path = pathlib.Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"--config: no such file {str(path)!r}")
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    namespace = {"__file__": str(path)}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    if "get_config" not in namespace:
-        raise ValueError(f"{path} defines no get_config().")
-    return namespace["get_config"](variant)
+    return experiment.load_config_file(path, variant)
 
 
 # -- optimizers ---------------------------------------------------------------
