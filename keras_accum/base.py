@@ -28,14 +28,17 @@ Non-finite gradients are governed by `nonfinite`:
 
 * `"skip_micro_batch"` (default): a micro-batch with a NaN or Inf gradient on
   a replica is left out of the window; `skipped_micro_batches` counts it.
-* `"skip_window"`: the whole window containing it is dropped, nothing moves.
+* `"skip_window"`: the update of the window containing it is dropped: the
+  parameters do not move (moments already updated by earlier micro-batches
+  keep them, see `UpdateAccumulationAdam`; `InvariantAdam` refuses it).
 * `"raise"`: `tf.errors.InvalidArgumentError` at the first non-finite value.
 * `None`: no check (fastest; a NaN then propagates as in plain Keras).
 
 State, field by field (creation order is the checkpoint format):
 `iterations` (updates applied), `micro_step` (calls to `apply`),
 `skipped_micro_batches` (per replica, summed on read), `skipped_updates`
-(windows whose update was dropped), then each subclass's slots.
+(windows whose update was dropped), `window_bad` (non-finite micro-batches
+in the current window, for `"skip_window"`), then each subclass's slots.
 """
 
 import contextlib

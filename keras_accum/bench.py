@@ -981,30 +981,17 @@ def run(config=None):
                 rows += run_group(model_name, setting, config)
     rss = {}
     if config.rss:
-        for model_name in config.models:
-            for name in config.contenders:
-                _log(f"peak RSS: {model_name} / {name} (subprocess)")
-                task = {"kind": "rss", "model": model_name,
-                        "contender": name}
-                try:
-                    rss[f"{model_name}/{name}"] = _run_worker(task, config)
-                except (RuntimeError, subprocess.TimeoutExpired) as error:
-                    rss[f"{model_name}/{name}"] = {"error": str(error)}
+        for found in _per_contender("rss", "peak RSS", config):
+            rss[f"{found['model']}/{found['contender']}"] = found["result"]
     for row in rows:
         if row["setting"] == "graph":
             row["rss"] = rss.get(f"{row['model']}/{row['contender']}")
     copies = []
     if config.xla_copies:
-        for model_name in config.models:
-            for name in config.contenders:
-                _log(f"XLA copies: {model_name} / {name} (subprocess)")
-                task = {"kind": "xla_copies", "model": model_name,
-                        "contender": name}
-                try:
-                    found = _run_worker(task, config)
-                except (RuntimeError, subprocess.TimeoutExpired) as error:
-                    found = {"error": str(error)}
-                copies.append(dict(found, model=model_name, contender=name))
+        copies = [dict(found["result"], model=found["model"],
+                       contender=found["contender"])
+                  for found in _per_contender("xla_copies", "XLA copies",
+                                              config)]
     result = {
         "config": dataclasses.asdict(config),
         "machine": machine_info(),
@@ -1014,6 +1001,20 @@ def run(config=None):
     }
     result["targets"] = evaluate_targets(result)
     return result
+
+
+def _per_contender(kind, label, config):
+    """Runs task `kind` in a fresh subprocess per (model, contender); a
+    failure is recorded as {"error": ...} instead of stopping the run."""
+    for model_name in config.models:
+        for name in config.contenders:
+            _log(f"{label}: {model_name} / {name} (subprocess)")
+            task = {"kind": kind, "model": model_name, "contender": name}
+            try:
+                result = _run_worker(task, config)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                result = {"error": str(error)}
+            yield {"model": model_name, "contender": name, "result": result}
 
 
 if __name__ == "__main__":
