@@ -43,37 +43,17 @@ in the current window, for `"skip_window"`), then each subclass's slots.
 
 import contextlib
 
-import tensorflow as tf
 import keras
-from keras import initializers
-from keras import optimizers
+import tensorflow as tf
+from keras import initializers, optimizers
+
+from keras_accum.validation import check_choice, check_int
 
 NONFINITE_POLICIES = ("skip_micro_batch", "skip_window", "raise", None)
 
 
-def validate_steps(steps):
-    """Returns `steps` as an int, or raises naming the argument."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(
-            f"`steps` must be an integer >= 1. Received: steps={steps!r}"
-        )
-    return steps
-
-
-def validate_nonfinite(nonfinite):
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(
-            "`nonfinite` must be one of "
-            f"{', '.join(repr(p) for p in NONFINITE_POLICIES)}. "
-            f"Received: nonfinite={nonfinite!r}"
-        )
-    return nonfinite
-
-
 def all_finite(grads):
-    return tf.reduce_all(
-        [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
-    )
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
 
 
 def dense(grad):
@@ -101,29 +81,29 @@ def assign_total(variable, value):
 class AccumulationOptimizer(optimizers.Optimizer):
     """Base class: one micro-batch per `apply`, one update per window."""
 
-    def __init__(
-        self, learning_rate, steps=1, nonfinite="skip_micro_batch", **kwargs
-    ):
+    def __init__(self, learning_rate, steps=1, nonfinite="skip_micro_batch", **kwargs):
         super().__init__(learning_rate=learning_rate, **kwargs)
-        self.steps = validate_steps(steps)
-        self.nonfinite = validate_nonfinite(nonfinite)
+        self.steps = check_int("steps", steps)
+        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
 
     def build(self, var_list):
         super().build(var_list)
         self._micro_step = self.add_variable(
-            (), dtype="int64", aggregation="only_first_replica",
+            (),
+            dtype="int64",
+            aggregation="only_first_replica",
             name="micro_step",
         )
         self._skipped_micro_batches = self.add_local_variable(
             (), dtype="int64", name="skipped_micro_batches"
         )
         self._skipped_updates = self.add_variable(
-            (), dtype="int64", aggregation="only_first_replica",
+            (),
+            dtype="int64",
+            aggregation="only_first_replica",
             name="skipped_updates",
         )
-        self._window_bad = self.add_local_variable(
-            (), dtype="int64", name="window_bad"
-        )
+        self._window_bad = self.add_local_variable((), dtype="int64", name="window_bad")
 
     def add_local_variable(self, shape, dtype, name, reference=None):
         """A replica-local variable: each replica holds its own part and a
@@ -202,8 +182,7 @@ class AccumulationOptimizer(optimizers.Optimizer):
                 self.build(trainable_variables)
             self.built = True
         self._check_variables_are_known(trainable_variables)
-        pairs = [(g, v) for g, v in zip(grads, trainable_variables)
-                 if g is not None]
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
         grads = [g for g, _ in pairs]
@@ -217,16 +196,12 @@ class AccumulationOptimizer(optimizers.Optimizer):
             )
         weight = 1.0 if weight is None else weight
         with keras.name_scope(self.name, caller=self):
-            replica_context.merge_call(
-                self._merge_apply, args=(grads, trainable_variables, weight)
-            )
+            replica_context.merge_call(self._merge_apply, args=(grads, trainable_variables, weight))
 
     def _merge_apply(self, distribution, grads, trainable_variables, weight):
         # Cross-replica context from here on: `grads` are per-replica values.
         window_start = tf.equal(self._micro_step % self.steps, 0)
-        self._accumulate(
-            distribution, grads, trainable_variables, weight, window_start
-        )
+        self._accumulate(distribution, grads, trainable_variables, weight, window_start)
         micro_step = self._micro_step.assign_add(1)
         if self.steps == 1:
             self._end_window(distribution, trainable_variables)
@@ -265,13 +240,16 @@ class AccumulationOptimizer(optimizers.Optimizer):
         if self.nonfinite is None:
             fold(grads)
         elif self.nonfinite == "raise":
-            fold([
-                tf.debugging.check_numerics(
-                    g, f"{self.name}: non-finite gradient (nonfinite='raise')"
-                )
-                for g in grads
-            ])
+            fold(
+                [
+                    tf.debugging.check_numerics(
+                        g, f"{self.name}: non-finite gradient (nonfinite='raise')"
+                    )
+                    for g in grads
+                ]
+            )
         else:
+
             def on_skip():
                 self._skipped_micro_batches.assign_add(1)
                 if self.nonfinite == "skip_window":
@@ -332,8 +310,12 @@ class AccumulationOptimizer(optimizers.Optimizer):
 
 # Base-optimizer arguments the Adam variants do not implement.
 ADAM_UNSUPPORTED = (
-    "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
-    "gradient_accumulation_steps", "loss_scale_factor",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "use_ema",
+    "gradient_accumulation_steps",
+    "loss_scale_factor",
 )
 
 
@@ -370,23 +352,20 @@ class AdamFamily(AccumulationOptimizer):
         `keras.optimizers.Adam` computes it."""
         lr = tf.cast(learning_rate, dtype)
         count = tf.cast(count, dtype)
-        return lr * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, dtype), count)) / (
-            1 - tf.pow(tf.cast(self.beta_1, dtype), count)
+        return (
+            lr
+            * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, dtype), count))
+            / (1 - tf.pow(tf.cast(self.beta_1, dtype), count))
         )
 
     def _decay(self, variable, lr):
         if self.weight_decay is not None and self._use_weight_decay(variable):
             # theta = theta - lr * weight_decay * theta
-            variable.assign_sub(
-                variable * tf.cast(self.weight_decay, variable.dtype) * lr
-            )
+            variable.assign_sub(variable * tf.cast(self.weight_decay, variable.dtype) * lr)
 
     def get_config(self):
         config = super().get_config()
         for name in ADAM_UNSUPPORTED:
             config.pop(name, None)
-        config.update(
-            {"beta_1": self.beta_1, "beta_2": self.beta_2,
-             "epsilon": self.epsilon}
-        )
+        config.update({"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon})
         return config

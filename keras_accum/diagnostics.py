@@ -32,9 +32,9 @@ micro_batch_size=32, kappa=8)`, which logs `noise_scale`, `trace_sigma` and
 `grad_sq_norm`.
 """
 
+import keras
 import numpy as np
 import tensorflow as tf
-import keras
 
 
 def _sq_norm_one(g):
@@ -60,13 +60,10 @@ def squared_norm(grads):
 def _check_sizes(small_batch, big_batch):
     b, B = tf.get_static_value(small_batch), tf.get_static_value(big_batch)
     if b is not None and not b > 0:
-        raise ValueError(
-            f"`small_batch` must be > 0. Received: small_batch={b}"
-        )
+        raise ValueError(f"`small_batch` must be > 0. Received: small_batch={b}")
     if b is not None and B is not None and not B > b:
         raise ValueError(
-            "`big_batch` must be > `small_batch`. Received: "
-            f"small_batch={b}, big_batch={B}"
+            f"`big_batch` must be > `small_batch`. Received: small_batch={b}, big_batch={B}"
         )
 
 
@@ -130,21 +127,17 @@ class GradientNoiseScale(tf.Module):
             raise ValueError(f"`ema` must be in [0, 1). Received: ema={ema}")
         self.ema = float(ema)
         with self.name_scope:
-            self.updates = tf.Variable(0, dtype=tf.int64, name="updates",
-                                       trainable=False)
-            self.trace_sigma_acc = tf.Variable(0.0, name="trace_sigma_acc",
-                                               trainable=False)
+            self.updates = tf.Variable(0, dtype=tf.int64, name="updates", trainable=False)
+            self.trace_sigma_acc = tf.Variable(0.0, name="trace_sigma_acc", trainable=False)
             self.g2_acc = tf.Variable(0.0, name="g2_acc", trainable=False)
 
-    def update(self, micro_grads_sq_norm_mean, window_grad_sq_norm,
-               micro_batch_size, window_size):
+    def update(self, micro_grads_sq_norm_mean, window_grad_sq_norm, micro_batch_size, window_size):
         """Feeds one window: |g_b|^2, |g_B|^2, b, B. Returns `b_simple`."""
         g2, trace = noise_scale_estimates(
-            micro_grads_sq_norm_mean, window_grad_sq_norm,
-            micro_batch_size, window_size)
+            micro_grads_sq_norm_mean, window_grad_sq_norm, micro_batch_size, window_size
+        )
         # acc = ema * acc + (1 - ema) * x
-        self.trace_sigma_acc.assign_add((1.0 - self.ema)
-                                        * (trace - self.trace_sigma_acc))
+        self.trace_sigma_acc.assign_add((1.0 - self.ema) * (trace - self.trace_sigma_acc))
         self.g2_acc.assign_add((1.0 - self.ema) * (g2 - self.g2_acc))
         self.updates.assign_add(1)
         return self.b_simple
@@ -159,12 +152,12 @@ class GradientNoiseScale(tf.Module):
         """
         kappa = len(micro_grads)
         if kappa < 2:
-            raise ValueError("`micro_grads` needs at least 2 micro-batches. "
-                             f"Received: len(micro_grads)={kappa}")
+            raise ValueError(
+                f"`micro_grads` needs at least 2 micro-batches. Received: len(micro_grads)={kappa}"
+            )
         small = tf.add_n([squared_norm(g) for g in micro_grads]) / kappa
         big = squared_norm([_mean_grad(col) for col in zip(*micro_grads)])
-        return self.update(small, big, micro_batch_size,
-                           kappa * micro_batch_size)
+        return self.update(small, big, micro_batch_size, kappa * micro_batch_size)
 
     def _correction(self):
         # 1 - ema**t; 0 before any update, which makes every result nan.
@@ -186,14 +179,16 @@ class GradientNoiseScale(tf.Module):
 
     def result(self):
         """Dict with `noise_scale`, `trace_sigma`, `grad_sq_norm` tensors."""
-        return {"noise_scale": self.b_simple, "trace_sigma": self.trace_sigma,
-                "grad_sq_norm": self.g2}
+        return {
+            "noise_scale": self.b_simple,
+            "trace_sigma": self.trace_sigma,
+            "grad_sq_norm": self.g2,
+        }
 
 
 def _map(fn, struct):
     """`tf.nest.map_structure` that leaves `None` (no sample weight) alone."""
-    return tf.nest.map_structure(lambda t: None if t is None else fn(t),
-                                 struct)
+    return tf.nest.map_structure(lambda t: None if t is None else fn(t), struct)
 
 
 class NoiseScaleCallback(keras.callbacks.Callback):
@@ -240,15 +235,15 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         ema: decay of the tracker's EMAs. seed: for the array draws.
     """
 
-    def __init__(self, data, micro_batch_size, kappa, every_n_batches=100,
-                 ema=0.95, seed=None):
+    def __init__(self, data, micro_batch_size, kappa, every_n_batches=100, ema=0.95, seed=None):
         super().__init__()
-        for name, value, low in (("micro_batch_size", micro_batch_size, 1),
-                                 ("kappa", kappa, 2),
-                                 ("every_n_batches", every_n_batches, 1)):
+        for name, value, low in (
+            ("micro_batch_size", micro_batch_size, 1),
+            ("kappa", kappa, 2),
+            ("every_n_batches", every_n_batches, 1),
+        ):
             if not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"`{name}` must be an integer >= {low}. "
-                                 f"Received: {name}={value}")
+                raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value}")
         self.micro_batch_size, self.kappa = int(micro_batch_size), int(kappa)
         self.every_n_batches = int(every_n_batches)
         self.tracker = GradientNoiseScale(ema)
@@ -262,7 +257,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             if size < n:
                 raise ValueError(
                     "`data` must hold at least kappa * micro_batch_size = "
-                    f"{n} examples. Received: {size} examples")
+                    f"{n} examples. Received: {size} examples"
+                )
         self._seen = 0
         # Explicit tf.while_loop below: no autograph needed.
         self.probe_fn = tf.function(self._probe, autograph=False)
@@ -270,8 +266,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
     def _next_probe(self):
         n = self.kappa * self.micro_batch_size
         if self._arrays is not None:
-            idx = self._rng.choice(len(tf.nest.flatten(self._arrays)[0]), n,
-                                   replace=False)
+            idx = self._rng.choice(len(tf.nest.flatten(self._arrays)[0]), n, replace=False)
             data = _map(lambda a: a[idx], self._arrays)
         else:
             data = next(self._iterator)
@@ -279,7 +274,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             if size < n:
                 raise ValueError(
                     "`data` batches must hold at least kappa * "
-                    f"micro_batch_size = {n} examples. Received: {size}")
+                    f"micro_batch_size = {n} examples. Received: {size}"
+                )
             data = _map(lambda a: a[:n], data)
         # Tensors of one fixed shape: the tf.function traces once.
         return _map(tf.convert_to_tensor, data)
@@ -288,9 +284,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         model, kappa, b = self.model, self.kappa, self.micro_batch_size
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         # [kappa * b, ...] -> [kappa, b, ...]: micro-batch i is t[i].
-        x, y, sw = _map(
-            lambda t: tf.reshape(t, [kappa, b] + t.shape[1:].as_list()),
-            (x, y, sw))
+        x, y, sw = _map(lambda t: tf.reshape(t, [kappa, b] + t.shape[1:].as_list()), (x, y, sw))
         weights = model.trainable_variables
         state = model.non_trainable_variables + model.metrics_variables
         saved = [tf.identity(v) for v in state]
@@ -299,23 +293,25 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             xi, yi, swi = _map(lambda t: t[i], (x, y, sw))
             with tf.GradientTape() as tape:
                 y_pred = model(xi, training=True)
-                loss = model.compute_loss(x=xi, y=yi, y_pred=y_pred,
-                                          sample_weight=swi, training=True)
+                loss = model.compute_loss(
+                    x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=True
+                )
             grads = tape.gradient(loss, weights)
-            grads = [tf.zeros_like(w) if g is None else tf.convert_to_tensor(g)
-                     for g, w in zip(grads, weights)]
-            return (i + 1, small + squared_norm(grads),
-                    [a + g for a, g in zip(acc, grads)])
+            grads = [
+                tf.zeros_like(w) if g is None else tf.convert_to_tensor(g)
+                for g, w in zip(grads, weights)
+            ]
+            return (i + 1, small + squared_norm(grads), [a + g for a, g in zip(acc, grads)])
 
         _, small, acc = tf.while_loop(
-            lambda i, *_: i < kappa, body,
-            (tf.constant(0), tf.constant(0.0),
-             [tf.zeros_like(w) for w in weights]))
+            lambda i, *_: i < kappa,
+            body,
+            (tf.constant(0), tf.constant(0.0), [tf.zeros_like(w) for w in weights]),
+        )
         for v, s in zip(state, saved):
             v.assign(s)
         # |g_b|^2 = mean_j |g_j|^2 ; |g_B|^2 = |sum_j g_j / kappa|^2
-        return self.tracker.update(small / kappa,
-                                   squared_norm(acc) / kappa**2, b, kappa * b)
+        return self.tracker.update(small / kappa, squared_norm(acc) / kappa**2, b, kappa * b)
 
     def on_train_batch_end(self, batch, logs=None):
         self._seen += 1
@@ -324,5 +320,4 @@ class NoiseScaleCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs.update({k: float(v)
-                         for k, v in self.tracker.result().items()})
+            logs.update({k: float(v) for k, v in self.tracker.result().items()})

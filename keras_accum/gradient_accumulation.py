@@ -5,8 +5,7 @@ import threading
 
 import keras
 import tensorflow as tf
-from keras import optimizers
-from keras import saving
+from keras import optimizers, saving
 
 from keras_accum import base
 
@@ -93,9 +92,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
         name: optimizer name.
     """
 
-    def __init__(
-        self, optimizer, steps=1, nonfinite="skip_micro_batch", name=None
-    ):
+    def __init__(self, optimizer, steps=1, nonfinite="skip_micro_batch", name=None):
         if not isinstance(optimizer, optimizers.Optimizer):
             raise ValueError(
                 "`optimizer` must be a `keras.optimizers.Optimizer` instance. "
@@ -112,9 +109,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
                 f"{optimizer.gradient_accumulation_steps}; use `steps` here "
                 "instead."
             )
-        super().__init__(
-            learning_rate=0.0, steps=steps, nonfinite=nonfinite, name=name
-        )
+        super().__init__(learning_rate=0.0, steps=steps, nonfinite=nonfinite, name=name)
         self.inner_optimizer = optimizer
 
     def build(self, var_list):
@@ -122,9 +117,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
             return
         super().build(var_list)
         self._accumulators = [
-            self.add_local_variable(
-                v.shape, "float32", "accumulator", reference=v
-            )
+            self.add_local_variable(v.shape, "float32", "accumulator", reference=v)
             for v in var_list
         ]
         self._weight = self.add_local_variable((), "float32", "weight")
@@ -159,15 +152,11 @@ class GradientAccumulation(base.AccumulationOptimizer):
         super().apply(grads, trainable_variables, weight=weight)
 
     def _accumulate(self, distribution, grads, variables, weight, start):
-        distribution.extended.call_for_each_replica(
-            self._fold, args=(grads, variables, weight)
-        )
+        distribution.extended.call_for_each_replica(self._fold, args=(grads, variables, weight))
 
     def _fold(self, grads, variables, weight):
         # Replica context, replica-local state only: no communication.
-        accumulators = [
-            self._accumulators[self._get_variable_index(v)] for v in variables
-        ]
+        accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         unit_weight = isinstance(weight, float) and weight == 1.0
         if isinstance(weight, ReplicaItems):
@@ -209,9 +198,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
         return None
 
     def _update(self, distribution, variables, total_weight):
-        accumulators = [
-            self._accumulators[self._get_variable_index(v)] for v in variables
-        ]
+        accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
         inner = self.inner_optimizer
         clips = inner.clipnorm or inner.global_clipnorm or inner.clipvalue
         if distribution.num_replicas_in_sync > 1 and clips:
@@ -229,20 +216,14 @@ class GradientAccumulation(base.AccumulationOptimizer):
                     variables,
                 )
 
-            distribution.extended.call_for_each_replica(
-                apply_inner, args=(means,)
-            )
+            distribution.extended.call_for_each_replica(apply_inner, args=(means,))
         else:
             # Each replica hands S_r / W; the inner optimizer's all-reduce
             # (SUM) turns it into S / W: one communication per window.
             def apply_inner(total_weight):
-                inner.apply(
-                    [a.value / total_weight for a in accumulators], variables
-                )
+                inner.apply([a.value / total_weight for a in accumulators], variables)
 
-            distribution.extended.call_for_each_replica(
-                apply_inner, args=(total_weight,)
-            )
+            distribution.extended.call_for_each_replica(apply_inner, args=(total_weight,))
 
     def _after_window(self, distribution):
         base.assign_total(self._weight, 0.0)
@@ -262,4 +243,3 @@ class GradientAccumulation(base.AccumulationOptimizer):
             config.pop("optimizer"), custom_objects=custom_objects
         )
         return cls(optimizer, **config)
-

@@ -70,20 +70,14 @@ class InvariantAdam(base.AdamFamily):
         self._momentums, self._velocities = [], []
         for var in var_list:
             self._momentums.append(
-                self.add_local_variable(
-                    var.shape, var.dtype, "momentum", reference=var
-                )
+                self.add_local_variable(var.shape, var.dtype, "momentum", reference=var)
             )
             self._velocities.append(
-                self.add_local_variable(
-                    var.shape, var.dtype, "velocity", reference=var
-                )
+                self.add_local_variable(var.shape, var.dtype, "velocity", reference=var)
             )
 
     def _accumulate(self, distribution, grads, variables, weight, start):
-        distribution.extended.call_for_each_replica(
-            self._fold, args=(grads, variables, start)
-        )
+        distribution.extended.call_for_each_replica(self._fold, args=(grads, variables, start))
 
     def _fold(self, grads, variables, start):
         # Replica context, replica-local moments: no communication.

@@ -22,9 +22,7 @@ import math
 RULES = ("invariant", "sqrt", "power")
 
 
-def scale_hyperparameters(
-    kappa, rule, learning_rate, beta_1=0.9, beta_2=0.999, epsilon=1e-7
-):
+def scale_hyperparameters(kappa, rule, learning_rate, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
     """Scales Adam hyperparameters from kappa = 1 to `kappa` micro-batches.
 
     Args:
@@ -40,23 +38,20 @@ def scale_hyperparameters(
         ...                       learning_rate=1e-3, beta_1=0.9)["beta_1"]
         0.6
     """
-    if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not (
-        kappa > 0 and math.isfinite(kappa)
+    if (
+        isinstance(kappa, bool)
+        or not isinstance(kappa, (int, float))
+        or not (kappa > 0 and math.isfinite(kappa))
     ):
-        raise ValueError(
-            f"`kappa` must be a finite number > 0. Received: kappa={kappa!r}"
-        )
+        raise ValueError(f"`kappa` must be a finite number > 0. Received: kappa={kappa!r}")
     if rule not in RULES:
         raise ValueError(
-            f"`rule` must be one of {', '.join(map(repr, RULES))}. "
-            f"Received: rule={rule!r}"
+            f"`rule` must be one of {', '.join(map(repr, RULES))}. Received: rule={rule!r}"
         )
     betas = {"beta_1": beta_1, "beta_2": beta_2}
     for name, beta in betas.items():
         if not 0 <= beta < 1:
-            raise ValueError(
-                f"`{name}` must be in [0, 1). Received: {name}={beta!r}"
-            )
+            raise ValueError(f"`{name}` must be in [0, 1). Received: {name}={beta!r}")
     if rule == "power":
         scaled_betas = {name: beta**kappa for name, beta in betas.items()}
     else:

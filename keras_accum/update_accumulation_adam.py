@@ -53,7 +53,9 @@ class UpdateAccumulationAdam(base.AdamFamily):
             return
         super().build(var_list)
         self._moment_steps = self.add_variable(
-            (), dtype="int64", aggregation="only_first_replica",
+            (),
+            dtype="int64",
+            aggregation="only_first_replica",
             name="moment_steps",
         )
         slots = ["momentum", "velocity"] + (["update"] if self.steps > 1 else [])
@@ -85,12 +87,14 @@ class UpdateAccumulationAdam(base.AdamFamily):
             return
         local = [distribution.experimental_local_results(g)[0] for g in reduced]
         if self.nonfinite == "raise":
-            with tf.control_dependencies([
-                tf.debugging.check_numerics(
-                    g, f"{self.name}: non-finite gradient (nonfinite='raise')"
-                )
-                for g in local
-            ]):
+            with tf.control_dependencies(
+                [
+                    tf.debugging.check_numerics(
+                        g, f"{self.name}: non-finite gradient (nonfinite='raise')"
+                    )
+                    for g in local
+                ]
+            ):
                 step()
             return
 
@@ -139,6 +143,4 @@ class UpdateAccumulationAdam(base.AdamFamily):
                 # theta = theta - A
                 self.assign_sub(variable, update)
 
-            distribution.extended.update(
-                var.value, apply_update, args=(update.value,), group=False
-            )
+            distribution.extended.update(var.value, apply_update, args=(update.value,), group=False)

@@ -7,15 +7,18 @@ learning rates tuned at kappa = 1. Whole-command run times measured on the
 
     full: 455 runs, 7 lrs x 5 seeds, 32768 examples each; 5.8 min wall
     (4.5 min CPU). Its results are docs/INVARIANCE.md.
-    python scripts/invariance.py --config saved_configs/invariance.py --variant full --workdir runs/invariance-full
+    python scripts/invariance.py --config saved_configs/invariance.py \
+        --variant full --workdir runs/invariance-full
 
     quick: 117 runs, 3 lrs x 3 seeds, 16384 examples each; 1.2-1.6 min
     wall depending on load (1.1 min CPU).
-    python scripts/invariance.py --config saved_configs/invariance.py --variant quick --workdir runs/invariance-quick
+    python scripts/invariance.py --config saved_configs/invariance.py \
+        --variant quick --workdir runs/invariance-quick
 
     smoke: 18 runs of 512 examples, kappa in {1, 2, 4}; 31 s wall including
     the TensorFlow import (17 s in the study). tests/test_invariance.py.
-    python scripts/invariance.py --config saved_configs/invariance.py --variant smoke --workdir runs/invariance-smoke
+    python scripts/invariance.py --config saved_configs/invariance.py \
+        --variant smoke --workdir runs/invariance-smoke
 
 Runs at kappa = 1 are shared by the four methods (all are Adam there), so a
 (lr, seed) costs 1 + 4 x 3 = 13 runs.
@@ -28,8 +31,9 @@ WINDOW = max(KAPPAS) * MICRO_BATCH  # 256: evaluation points are multiples
 
 def get_config(variant="full"):
     if variant not in ("full", "quick", "smoke"):
-        raise ValueError("`variant` must be 'full', 'quick' or 'smoke'. "
-                         f"Received: variant={variant!r}")
+        raise ValueError(
+            f"`variant` must be 'full', 'quick' or 'smoke'. Received: variant={variant!r}"
+        )
     config = {
         "dataset": "mnist1d",
         "model": "mlp",

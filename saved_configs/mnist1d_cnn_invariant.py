@@ -10,8 +10,8 @@ Run (the README's main command; ~2-3 minutes on a 2-core CPU):
 Smoke variant (tests): get_config(smoke=True), a few seconds.
 """
 
-BASE_LR = 5e-3        # Adam learning rate at kappa = 1 (one micro-batch of 25)
-STEPS = 4             # micro-batches per update: kappa = 4 on one device
+BASE_LR = 5e-3  # Adam learning rate at kappa = 1 (one micro-batch of 25)
+STEPS = 4  # micro-batches per update: kappa = 4 on one device
 
 
 def get_config(smoke=False):

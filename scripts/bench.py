@@ -9,7 +9,7 @@ Smoke test (tiny sizes, numbers meaningless):
 
     python scripts/bench.py --quick --output=/tmp/bench_quick
 
-What is measured and how: see the docstring of `keras_accum/bench.py`.
+What is measured and how: see the docstring of `keras_accum/experiments/bench.py`.
 """
 
 import json
@@ -17,8 +17,7 @@ import os
 import shlex
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -27,38 +26,56 @@ flags.DEFINE_bool("quick", False, "Tiny sizes, for a smoke test.")
 flags.DEFINE_integer("repeats", None, "Timed rounds per (setting, model).")
 flags.DEFINE_integer("steps", None, "N: micro-batches per window.")
 flags.DEFINE_integer("micro_batch", None, "b: examples per micro-batch.")
-flags.DEFINE_integer("windows", None,
-                     "Windows per train-function call (K = steps x windows).")
+flags.DEFINE_integer("windows", None, "Windows per train-function call (K = steps x windows).")
 flags.DEFINE_list("models", None, "Models to run (cnn, mlp).")
 flags.DEFINE_list("contenders", None, "Contenders (see CONTENDERS).")
 flags.DEFINE_list("settings", None, "Settings: graph, xla, mirrored.")
-flags.DEFINE_float("min_sample_seconds", None,
-                   "A timed sample repeats calls until it lasts this long.")
-flags.DEFINE_bool("rss", None, "Measure peak RSS in one subprocess per "
-                  "(model, contender).")
+flags.DEFINE_float(
+    "min_sample_seconds", None, "A timed sample repeats calls until it lasts this long."
+)
+flags.DEFINE_bool("rss", None, "Measure peak RSS in one subprocess per (model, contender).")
 flags.DEFINE_bool("timing", None, "Run the timed groups (default true).")
-flags.DEFINE_bool("xla_copies", None, "Count the elements XLA copies per "
-                  "step, per (model, contender), from the optimised HLO.")
-flags.DEFINE_string("output", None, "Directory for results.md, results.json, "
-                    "samples.csv and config.json.")
-flags.DEFINE_string("splice", None, "FILE:SECTION, e.g. BENCHMARKS.md:main: "
-                    "put the Markdown report between <!-- bench:SECTION --> "
-                    "and <!-- /bench:SECTION --> in FILE.")
+flags.DEFINE_bool(
+    "xla_copies",
+    None,
+    "Count the elements XLA copies per step, per (model, contender), from the optimised HLO.",
+)
+flags.DEFINE_string(
+    "output", None, "Directory for results.md, results.json, samples.csv and config.json."
+)
+flags.DEFINE_string(
+    "splice",
+    None,
+    "FILE:SECTION, e.g. BENCHMARKS.md:main: "
+    "put the Markdown report between <!-- bench:SECTION --> "
+    "and <!-- /bench:SECTION --> in FILE.",
+)
 
-flags.DEFINE_string("render", None, "A results.json of an earlier run: "
-                    "print (and --splice) its report again without running.")
+flags.DEFINE_string(
+    "render",
+    None,
+    "A results.json of an earlier run: print (and --splice) its report again without running.",
+)
 
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
-    from keras_accum import bench  # Imports TensorFlow.
+    from keras_accum.experiments import bench  # Imports TensorFlow.
 
     overrides = {
         name: getattr(FLAGS, name)
-        for name in ("repeats", "steps", "micro_batch", "windows",
-                     "min_sample_seconds", "rss", "timing", "xla_copies")
+        for name in (
+            "repeats",
+            "steps",
+            "micro_batch",
+            "windows",
+            "min_sample_seconds",
+            "rss",
+            "timing",
+            "xla_copies",
+        )
         if getattr(FLAGS, name) is not None
     }
     for name in ("models", "contenders", "settings"):
@@ -81,8 +98,10 @@ def main(argv):
         bench.splice_markdown(path, section, report)
     if FLAGS.output and not FLAGS.render:
         bench.write_outputs(result, FLAGS.output, command)
-        print(f"Wrote {FLAGS.output}/results.md, results.json, samples.csv, "
-              "config.json", file=sys.stderr)
+        print(
+            f"Wrote {FLAGS.output}/results.md, results.json, samples.csv, config.json",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Batch-size invariance study: curves versus examples seen for kappa
 micro-batches per update, four ways of rescaling Adam (see
-keras_accum/invariance.py and docs/INVARIANCE.md).
+keras_accum/experiments/invariance.py and docs/INVARIANCE.md).
 
     python scripts/invariance.py --config saved_configs/invariance.py \
         --variant quick --workdir runs/invariance-quick
@@ -18,17 +18,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Use the package of this checkout, whatever else is installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
+from absl import (
+    app,  # noqa: E402
+    flags,  # noqa: E402
+    logging,  # noqa: E402
+)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "saved_configs/invariance.py",
-                    "saved_configs/*.py file or a run folder's config.json.")
-flags.DEFINE_enum("variant", "full", ["full", "quick", "smoke"],
-                  "Which get_config(variant) of a .py config.")
-flags.DEFINE_string("workdir", None,
-                    "Output folder (default runs/invariance-<variant>-<time>).")
+flags.DEFINE_string(
+    "config",
+    "saved_configs/invariance.py",
+    "saved_configs/*.py file or a run folder's config.json.",
+)
+flags.DEFINE_enum(
+    "variant", "full", ["full", "quick", "smoke"], "Which get_config(variant) of a .py config."
+)
+flags.DEFINE_string("workdir", None, "Output folder (default runs/invariance-<variant>-<time>).")
 flags.DEFINE_string("data_dir", None, "TFDS data_dir (mnist1d is built there).")
 
 
@@ -36,14 +41,15 @@ def main(argv):
     if len(argv) > 1:
         sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
     logging.set_verbosity(logging.WARNING)  # TFDS's INFO lines drown progress
-    from keras_accum import invariance
+    from keras_accum.experiments import invariance
 
     try:
         config = invariance.load_config_file(FLAGS.config, FLAGS.variant)
         if FLAGS.data_dir:
             config["data_dir"] = FLAGS.data_dir
         workdir = FLAGS.workdir or os.path.join(
-            "runs", f"invariance-{FLAGS.variant}-{time.strftime('%Y%m%d-%H%M%S')}")
+            "runs", f"invariance-{FLAGS.variant}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
         invariance.run_study(config, workdir)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"error: {e}")

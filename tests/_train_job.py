@@ -17,8 +17,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--workdir", required=True)
-parser.add_argument("--optimizer", default="ga_adam",
-                    choices=["ga_adam", "ga_sgd", "invariant", "update"])
+parser.add_argument(
+    "--optimizer", default="ga_adam", choices=["ga_adam", "ga_sgd", "invariant", "update"]
+)
 parser.add_argument("--steps", type=int, default=2)
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--items", type=int, default=44)
@@ -47,26 +48,25 @@ from keras_accum import training  # noqa: E402
 if "TF_CONFIG" in os.environ:
     strategy = training.strategy_from_environment(flags.collective_timeout)
 elif flags.replicas > 1:
-    strategy = tf.distribute.MirroredStrategy(
-        [f"/cpu:{i}" for i in range(flags.replicas)])
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(flags.replicas)])
 else:
     strategy = tf.distribute.get_strategy()
 
 rng = np.random.RandomState(0)
 x = rng.randn(flags.items, 4).astype("float32")
 y = (x @ rng.randn(4, 2) + 0.1 * rng.randn(flags.items, 2)).astype("float32")
-dataset = (tf.data.Dataset.from_tensor_slices((x, y))
-           .shuffle(64, seed=1, reshuffle_each_iteration=True)
-           .batch(flags.batch))
+dataset = (
+    tf.data.Dataset.from_tensor_slices((x, y))
+    .shuffle(64, seed=1, reshuffle_each_iteration=True)
+    .batch(flags.batch)
+)
 
 with strategy.scope():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     optimizer = {
-        "ga_adam": lambda: ka.GradientAccumulation(
-            keras.optimizers.Adam(0.05), steps=flags.steps),
-        "ga_sgd": lambda: ka.GradientAccumulation(
-            keras.optimizers.SGD(0.05), steps=flags.steps),
+        "ga_adam": lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.05), steps=flags.steps),
+        "ga_sgd": lambda: ka.GradientAccumulation(keras.optimizers.SGD(0.05), steps=flags.steps),
         "invariant": lambda: ka.InvariantAdam(0.05, steps=flags.steps),
         "update": lambda: ka.UpdateAccumulationAdam(0.05, steps=flags.steps),
     }[flags.optimizer]()
@@ -78,9 +78,16 @@ def slow_down(logs):
 
 
 training.train(
-    model, optimizer, "mse", dataset, epochs=flags.epochs, strategy=strategy,
-    workdir=flags.workdir, checkpoint_every=flags.checkpoint_every,
-    callbacks=[slow_down], verbose=0,
+    model,
+    optimizer,
+    "mse",
+    dataset,
+    epochs=flags.epochs,
+    strategy=strategy,
+    workdir=flags.workdir,
+    checkpoint_every=flags.checkpoint_every,
+    callbacks=[slow_down],
+    verbose=0,
 )
 if training.is_chief(strategy):
     np.savez(os.path.join(flags.workdir, "final.npz"), *model.get_weights())

@@ -19,7 +19,7 @@ tf.config.set_logical_device_configuration(
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mirrored_strategy():
     """The one MirroredStrategy (2 logical CPUs) of the test session.
 
@@ -30,3 +30,7 @@ def mirrored_strategy():
     one; a test needing other cross-device ops must avoid collectives.
     """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+# A worker script run as a subprocess, not a test module (doctest collection
+# would import it and run its argument parser).
+collect_ignore = ["_train_job.py"]

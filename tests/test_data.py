@@ -1,4 +1,4 @@
-"""keras_accum.data: offline MNIST-1D, fail-fast TFDS, synthetic tokens."""
+"""keras_accum.experiments.data: offline MNIST-1D, fail-fast TFDS, synthetic tokens."""
 
 import os
 import pathlib
@@ -13,7 +13,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from tensorflow_datasets.image_classification import mnist
 
-from keras_accum import data
+from keras_accum.experiments import data
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +51,24 @@ def test_mnist1d_is_not_regenerated(data_dir, monkeypatch):
 def test_mnist1d_prepared_by_two_processes_at_once(tmp_path):
     # Workers of one job share a data_dir; TFDS deletes other processes'
     # incomplete folders, so unguarded they fail (seen with 2 workers).
-    code = ("import sys; from keras_accum import data; "
-            "b = data.builder('mnist1d', data_dir=sys.argv[1]); "
-            "print(b.info.splits['train'].num_examples)")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=str(pathlib.Path(data.__file__).parents[1]))
-    workers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env) for _ in range(2)]
+    code = (
+        "import sys; from keras_accum.experiments import data; "
+        "b = data.builder('mnist1d', data_dir=sys.argv[1]); "
+        "print(b.info.splits['train'].num_examples)"
+    )
+    env = dict(
+        os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(pathlib.Path(data.__file__).parents[1])
+    )
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
     for worker in workers:
         out, err = worker.communicate(timeout=180)
         assert worker.returncode == 0, err[-2000:]
@@ -103,14 +113,12 @@ def test_prepared_tfds_dataset_is_read_and_scaled(tmp_path):
     assert x.dtype == tf.float32 and y.dtype == tf.int32
     assert x.shape == (4, 28, 28, 1)
     assert float(tf.reduce_max(x)) == 1.0 and float(tf.reduce_min(x)) == 0.0
-    assert data.dataset_info("mnist", data_dir=tmp_path) == data.DatasetInfo(
-        (28, 28, 1), 10, 6, 6)
+    assert data.dataset_info("mnist", data_dir=tmp_path) == data.DatasetInfo((28, 28, 1), 10, 6, 6)
 
 
 def test_shuffle_is_reproducible(data_dir):
     def first_labels(seed):
-        ds = data.load("mnist1d", "train", data_dir=data_dir, batch_size=64,
-                       shuffle_seed=seed)
+        ds = data.load("mnist1d", "train", data_dir=data_dir, batch_size=64, shuffle_seed=seed)
         return next(iter(ds))[1].numpy()
 
     np.testing.assert_array_equal(first_labels(3), first_labels(3))
@@ -130,8 +138,7 @@ def test_synthetic_tokens_are_deterministic():
     assert y[0] == counts.index(max(counts))
 
     info = data.dataset_info(data.SYNTHETIC_TOKENS)
-    tokens, labels = next(iter(data.load(data.SYNTHETIC_TOKENS, "test",
-                                         batch_size=8)))
+    tokens, labels = next(iter(data.load(data.SYNTHETIC_TOKENS, "test", batch_size=8)))
     assert tokens.dtype == tf.int32 and labels.dtype == tf.int32
     assert tokens.shape == (8,) + info.input_shape
     assert int(tf.reduce_max(tokens)) < info.vocab_size

@@ -11,8 +11,7 @@ from conftest import mirrored_strategy
 import keras_accum as ka
 
 OPTIMIZERS = {
-    "gradient_accumulation": lambda **kw: ka.GradientAccumulation(
-        keras.optimizers.SGD(0.1), **kw),
+    "gradient_accumulation": lambda **kw: ka.GradientAccumulation(keras.optimizers.SGD(0.1), **kw),
     "invariant_adam": lambda **kw: ka.InvariantAdam(**kw),
     "update_accumulation_adam": lambda **kw: ka.UpdateAccumulationAdam(**kw),
 }
@@ -21,8 +20,11 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("steps", [0, -3, 2.0, 1.5, "4", True, None])
 def test_bad_steps(name, steps):
-    with pytest.raises(ValueError, match=r"`steps` must be an integer >= 1\. "
-                       rf"Received: steps={repr(steps)}"):
+    with pytest.raises(
+        ValueError,
+        match=r"`steps` must be an integer >= 1\. "
+        rf"Received: steps={repr(steps)}",
+    ):
         OPTIMIZERS[name](steps=steps)
 
 
@@ -34,8 +36,11 @@ def test_bad_nonfinite(name):
 
 @pytest.mark.parametrize("inner", [None, "adam", keras.losses.MeanSquaredError()])
 def test_inner_must_be_a_keras_optimizer(inner):
-    with pytest.raises(ValueError, match=r"`optimizer` must be a "
-                       r"`keras.optimizers.Optimizer` instance. Received"):
+    with pytest.raises(
+        ValueError,
+        match=r"`optimizer` must be a "
+        r"`keras.optimizers.Optimizer` instance. Received",
+    ):
         ka.GradientAccumulation(inner, steps=2)
 
 
@@ -43,8 +48,7 @@ def test_no_nested_or_double_accumulation():
     with pytest.raises(ValueError, match="nest windows"):
         ka.GradientAccumulation(ka.InvariantAdam(), steps=2)
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
-        ka.GradientAccumulation(
-            keras.optimizers.Adam(gradient_accumulation_steps=2), steps=2)
+        ka.GradientAccumulation(keras.optimizers.Adam(gradient_accumulation_steps=2), steps=2)
 
 
 @pytest.mark.parametrize("name", ["invariant_adam", "update_accumulation_adam"])
@@ -93,18 +97,21 @@ def test_rule_table(kappa):
 
 def test_kappa_1_changes_nothing():
     for rule in ("invariant", "sqrt", "power"):
-        assert ka.scale_hyperparameters(kappa=1, rule=rule, **BASE) == \
-            pytest.approx(BASE)
+        assert ka.scale_hyperparameters(kappa=1, rule=rule, **BASE) == pytest.approx(BASE)
 
 
 @pytest.mark.parametrize("rule", ["invariant", "sqrt"])
 def test_linear_beta_rule_refused_when_meaningless(rule):
-    with pytest.raises(ValueError, match=r"kappa \* \(1 - beta_1\) = 1 >= 1.*"
-                       r"rule='power'.*Received: kappa=10, beta_1=0.9"):
+    with pytest.raises(
+        ValueError,
+        match=r"kappa \* \(1 - beta_1\) = 1 >= 1.*"
+        r"rule='power'.*Received: kappa=10, beta_1=0.9",
+    ):
         ka.scale_hyperparameters(kappa=10, rule=rule, **BASE)
     # The exponent variant is defined there.
-    assert ka.scale_hyperparameters(kappa=10, rule="power", **BASE)["beta_1"] \
-        == pytest.approx(0.9**10)
+    assert ka.scale_hyperparameters(kappa=10, rule="power", **BASE)["beta_1"] == pytest.approx(
+        0.9**10
+    )
 
 
 def test_unknown_rule_and_bad_kappa():

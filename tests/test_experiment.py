@@ -10,14 +10,13 @@ import keras
 import numpy as np
 import pytest
 
-from keras_accum import experiment
+from keras_accum.experiments import experiment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Configs of scripts/train.py (get_config(smoke=...)); other scripts' configs,
 # such as saved_configs/invariance.py, are tested with their own script.
 CONFIGS = sorted(
-    p for p in (ROOT / "saved_configs").glob("*.py")
-    if "def get_config(smoke" in p.read_text()
+    p for p in (ROOT / "saved_configs").glob("*.py") if "def get_config(smoke" in p.read_text()
 )
 
 
@@ -39,8 +38,13 @@ def test_every_saved_config_runs_in_smoke_size(path, data_dir, tmp_path):
     config = smoke(path, data_dir, epochs=1)
     final = experiment.train_and_evaluate(config, tmp_path / "run")
     run = tmp_path / "run"
-    for name in ("config.json", "metrics.csv", "final.json", "curves.png",
-                 "checkpoints/epoch_001.keras"):
+    for name in (
+        "config.json",
+        "metrics.csv",
+        "final.json",
+        "curves.png",
+        "checkpoints/epoch_001.keras",
+    ):
         assert (run / name).exists(), name
     assert list((run / "tensorboard").rglob("*tfevents*"))
     resolved = json.loads((run / "config.json").read_text())
@@ -56,8 +60,9 @@ def test_every_saved_config_runs_in_smoke_size(path, data_dir, tmp_path):
 
 
 def test_resume_continues_exactly(data_dir, tmp_path):
-    config = smoke(ROOT / "saved_configs/mnist1d_cnn_invariant.py", data_dir,
-                   epochs=2, noise_scale_every=0)
+    config = smoke(
+        ROOT / "saved_configs/mnist1d_cnn_invariant.py", data_dir, epochs=2, noise_scale_every=0
+    )
     experiment.train_and_evaluate(config, tmp_path / "straight")
     # A run that stopped after its first epoch: what it had on disk then.
     experiment.train_and_evaluate(config, tmp_path / "stopped")
@@ -77,14 +82,24 @@ def test_resume_continues_exactly(data_dir, tmp_path):
 
 
 def test_unknown_config_key_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"Unknown config key\(s\) \['stpes'\]"
-                       r"\. Valid keys: .*micro_batch_size.*steps"):
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown config key\(s\) \['stpes'\]"
+        r"\. Valid keys: .*micro_batch_size.*steps",
+    ):
         experiment.resolve_config({"stpes": 4})
 
 
-@pytest.mark.parametrize("key,value", [("optimizer", "sgd"), ("steps", 0),
-                                       ("strategy", "tpu"), ("model", "vit"),
-                                       ("lr_schedule", "linear")])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("optimizer", "sgd"),
+        ("steps", 0),
+        ("strategy", "tpu"),
+        ("model", "vit"),
+        ("lr_schedule", "linear"),
+    ],
+)
 def test_bad_config_values(key, value):
     with pytest.raises(ValueError, match=f"Received: {key}={value!r}"):
         experiment.resolve_config({key: value})
@@ -101,31 +116,49 @@ def test_refuses_to_overwrite_a_run(data_dir, tmp_path):
 def run_script(*args, timeout=120):
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts/train.py"), *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
 def test_script_unknown_flag_lists_valid_flags():
-    result = run_script("--config", "saved_configs/mnist1d_cnn_invariant.py",
-                        "--stepz", "4")
+    result = run_script("--config", "saved_configs/mnist1d_cnn_invariant.py", "--stepz", "4")
     assert result.returncode != 0
     assert "stepz" in result.stderr
     assert "Valid flags:" in result.stderr and "--steps" in result.stderr
 
 
 def test_script_missing_dataset_fails_fast(tmp_path):
-    result = run_script("--config", "saved_configs/mnist1d_cnn_invariant.py",
-                        "--dataset", "mnist", "--data_dir", str(tmp_path),
-                        "--workdir", str(tmp_path / "run"), timeout=60)
+    result = run_script(
+        "--config",
+        "saved_configs/mnist1d_cnn_invariant.py",
+        "--dataset",
+        "mnist",
+        "--data_dir",
+        str(tmp_path),
+        "--workdir",
+        str(tmp_path / "run"),
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "'mnist' is not prepared" in result.stderr
 
 
 def test_script_trains_and_reports(data_dir, tmp_path):
     result = run_script(
-        "--config", "saved_configs/mnist1d_cnn_update_accumulation.py",
-        "--epochs", "1", "--steps", "2", "--data_dir", data_dir,
-        "--workdir", str(tmp_path / "run"))
+        "--config",
+        "saved_configs/mnist1d_cnn_update_accumulation.py",
+        "--epochs",
+        "1",
+        "--steps",
+        "2",
+        "--data_dir",
+        data_dir,
+        "--workdir",
+        str(tmp_path / "run"),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Final test accuracy:" in result.stdout
     config = json.loads((tmp_path / "run/config.json").read_text())
@@ -137,12 +170,33 @@ def test_script_runs_two_local_workers(data_dir, tmp_path):
     # broken under MultiWorkerMirroredStrategy in Keras 3.15). Two processes
     # on 127.0.0.1, one replica each: kappa = steps x 2.
     result = subprocess.run(
-        [sys.executable, "-m", "keras_accum.multiworker", "--num_workers", "2",
-         "--timeout", "240", "--", sys.executable, str(ROOT / "scripts/train.py"),
-         "--config", "saved_configs/mnist1d_cnn_invariant.py",
-         "--strategy", "multi_worker", "--epochs", "1", "--data_dir", data_dir,
-         "--workdir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "keras_accum.training.multiworker",
+            "--num_workers",
+            "2",
+            "--timeout",
+            "240",
+            "--",
+            sys.executable,
+            str(ROOT / "scripts/train.py"),
+            "--config",
+            "saved_configs/mnist1d_cnn_invariant.py",
+            "--strategy",
+            "multi_worker",
+            "--epochs",
+            "1",
+            "--data_dir",
+            data_dir,
+            "--workdir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     final = json.loads((tmp_path / "run/final.json").read_text())
     assert final["kappa"] == 4 * 2

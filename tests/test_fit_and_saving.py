@@ -21,8 +21,7 @@ Y = RNG.normal(size=(48, 2)).astype("float32")
 def build_model():
     keras.utils.set_random_seed(0)
     return keras.Sequential(
-        [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
-         keras.layers.Dense(2)]
+        [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)]
     )
 
 
@@ -43,23 +42,25 @@ CASES = {
     "gradient_accumulation": (
         lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4),
         lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2),
-        4),
+        4,
+    ),
     "gradient_accumulation_clipped": (
-        lambda: ka.GradientAccumulation(
-            keras.optimizers.SGD(0.1, global_clipnorm=0.05), steps=4),
-        lambda: ka.GradientAccumulation(
-            keras.optimizers.SGD(0.1, global_clipnorm=0.05), steps=2),
-        4),
+        lambda: ka.GradientAccumulation(keras.optimizers.SGD(0.1, global_clipnorm=0.05), steps=4),
+        lambda: ka.GradientAccumulation(keras.optimizers.SGD(0.1, global_clipnorm=0.05), steps=2),
+        4,
+    ),
     "invariant_adam": (
         lambda: ka.InvariantAdam(0.01, steps=4),
         lambda: ka.InvariantAdam(0.01, steps=2),
-        4),
+        4,
+    ),
     # Replicas share the moments: a mirrored micro-step is the replica-mean
     # gradient of the global batch, so the reference sees global batches.
     "update_accumulation_adam": (
         lambda: ka.UpdateAccumulationAdam(0.01, steps=2),
         lambda: ka.UpdateAccumulationAdam(0.01, steps=2),
-        8),
+        8,
+    ),
 }
 
 
@@ -90,7 +91,8 @@ def test_mirrored_skips_non_finite_micro_batch_of_one_replica():
 
 MAKERS = {
     "gradient_accumulation": lambda: ka.GradientAccumulation(
-        keras.optimizers.AdamW(0.01, weight_decay=0.01), steps=4),
+        keras.optimizers.AdamW(0.01, weight_decay=0.01), steps=4
+    ),
     "invariant_adam": lambda: ka.InvariantAdam(0.01, steps=4),
     "update_accumulation_adam": lambda: ka.UpdateAccumulationAdam(0.01, steps=4),
 }
@@ -143,17 +145,34 @@ def test_config_round_trip(name):
 
 def test_config_round_trip_keeps_every_argument():
     optimizer = ka.InvariantAdam(
-        learning_rate=0.003, beta_1=0.5, beta_2=0.9, epsilon=1e-5, steps=3,
-        nonfinite="raise", weight_decay=0.2, name="inv")
+        learning_rate=0.003,
+        beta_1=0.5,
+        beta_2=0.9,
+        epsilon=1e-5,
+        steps=3,
+        nonfinite="raise",
+        weight_decay=0.2,
+        name="inv",
+    )
     config = optimizer.get_config()
-    for key, value in dict(learning_rate=0.003, beta_1=0.5, beta_2=0.9,
-                           epsilon=1e-5, steps=3, nonfinite="raise",
-                           weight_decay=0.2, name="inv").items():
-        assert config[key] == pytest.approx(value) if isinstance(value, float) \
+    for key, value in dict(
+        learning_rate=0.003,
+        beta_1=0.5,
+        beta_2=0.9,
+        epsilon=1e-5,
+        steps=3,
+        nonfinite="raise",
+        weight_decay=0.2,
+        name="inv",
+    ).items():
+        assert (
+            config[key] == pytest.approx(value)
+            if isinstance(value, float)
             else config[key] == value
+        )
     wrapped = ka.GradientAccumulation(
-        keras.optimizers.SGD(0.5, momentum=0.7), steps=5,
-        nonfinite="skip_window", name="ga")
+        keras.optimizers.SGD(0.5, momentum=0.7), steps=5, nonfinite="skip_window", name="ga"
+    )
     clone = ka.GradientAccumulation.from_config(wrapped.get_config())
     assert (clone.steps, clone.nonfinite, clone.name) == (5, "skip_window", "ga")
     assert clone.inner_optimizer.momentum == 0.7
@@ -179,8 +198,10 @@ def test_weigh_micro_batches_makes_fit_exact_for_a_short_last_batch(replicas):
     for weigh in (True, False):
         with strategy.scope():
             model = build_model()
-            model.compile(optimizer=ka.GradientAccumulation(
-                keras.optimizers.SGD(0.1), steps=steps), loss="mse")
+            model.compile(
+                optimizer=ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=steps),
+                loss="mse",
+            )
         if weigh:
             ka.weigh_micro_batches(model)
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
@@ -189,5 +210,4 @@ def test_weigh_micro_batches_makes_fit_exact_for_a_short_last_batch(replicas):
     for a, b in zip(results[True], expected):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # Without it, the mean of means: measurably different.
-    assert max(np.abs(a - b).max()
-               for a, b in zip(results[False], expected)) > 1e-4
+    assert max(np.abs(a - b).max() for a, b in zip(results[False], expected)) > 1e-4

@@ -16,8 +16,7 @@ def drive(optimizer, variables, micro_grads, weights=None):
     history = []
     for j, grads in enumerate(micro_grads):
         weight = None if weights is None else weights[j]
-        optimizer.apply([tf.constant(g) for g in grads], variables,
-                        weight=weight)
+        optimizer.apply([tf.constant(g) for g in grads], variables, weight=weight)
         history.append([v.numpy().copy() for v in variables])
     return history
 
@@ -74,8 +73,7 @@ def test_big_batch_equivalence_with_unequal_micro_batches(make_inner, sizes, see
     n = sum(sizes)
     theta0 = rng.normal(size=(3, 1)).astype("float32")
     batches = [
-        (rng.normal(size=(n, 3)).astype("float32"),
-         rng.normal(size=(n, 1)).astype("float32"))
+        (rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 1)).astype("float32"))
         for _ in range(2)
     ]
     big = keras.Variable(theta0)
@@ -114,8 +112,7 @@ def test_adam_inner_matches_numpy_reference(steps):
         opt.apply([var - target.astype("float32")], [var])
         window.append(theta - target)
         if len(window) == steps:
-            theta, m, v = np_adam(theta, np.mean(window, 0), m, v,
-                                  (j + 1) // steps, 0.1)
+            theta, m, v = np_adam(theta, np.mean(window, 0), m, v, (j + 1) // steps, 0.1)
             window = []
         # Adam's m / sqrt(v) amplifies float32 rounding where g is small.
         np.testing.assert_allclose(var.numpy(), theta, rtol=1e-5, atol=1e-5)
@@ -126,7 +123,7 @@ def run_inner_on_window_means(make_inner, steps, micro_grads, var_init):
     var = keras.Variable(var_init)
     inner = make_inner()
     for w in range(0, len(micro_grads), steps):
-        mean = np.mean(micro_grads[w:w + steps], axis=0)
+        mean = np.mean(micro_grads[w : w + steps], axis=0)
         inner.apply([tf.constant(mean)], [var])
     return var, inner
 
@@ -137,14 +134,11 @@ def run_inner_on_window_means(make_inner, steps, micro_grads, var_init):
         lambda: keras.optimizers.Adam(0.1, global_clipnorm=0.5),
         lambda: keras.optimizers.Adam(0.1, clipnorm=0.5),
         lambda: keras.optimizers.SGD(0.1, clipvalue=0.3),
-        lambda: keras.optimizers.Adam(
-            keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)),
-        lambda: keras.optimizers.AdamW(0.1, weight_decay=0.5, use_ema=True,
-                                       ema_momentum=0.5),
+        lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)),
+        lambda: keras.optimizers.AdamW(0.1, weight_decay=0.5, use_ema=True, ema_momentum=0.5),
         lambda: keras.optimizers.Lion(0.05),
     ],
-    ids=["global_clipnorm", "clipnorm", "clipvalue", "schedule", "adamw_ema",
-         "lion"],
+    ids=["global_clipnorm", "clipnorm", "clipvalue", "schedule", "adamw_ema", "lion"],
 )
 def test_inner_state_advances_once_per_update(make_inner):
     # Clipping, schedules, weight decay and EMA all see the window mean and
@@ -157,14 +151,13 @@ def test_inner_state_advances_once_per_update(make_inner):
     var = keras.Variable(init)
     opt = ka.GradientAccumulation(make_inner(), steps=steps)
     drive(opt, [var], [[g] for g in micro])
-    np.testing.assert_allclose(var.numpy(), ref_var.numpy(), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(var.numpy(), ref_var.numpy(), rtol=1e-5, atol=1e-6)
     assert int(opt.iterations) == int(ref_opt.iterations) == 4
     for mine, ref in zip(opt.inner_optimizer.variables, ref_opt.variables):
-        np.testing.assert_allclose(mine.numpy(), ref.numpy(), rtol=1e-5,
-                                   atol=1e-6, err_msg=mine.path)
-    np.testing.assert_allclose(float(opt.learning_rate),
-                               float(ref_opt.learning_rate))
+        np.testing.assert_allclose(
+            mine.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=mine.path
+        )
+    np.testing.assert_allclose(float(opt.learning_rate), float(ref_opt.learning_rate))
 
 
 def test_float16_variables_accumulate_in_float32():
@@ -196,8 +189,11 @@ def test_sparse_gradients_match_dense():
         var = keras.Variable(np.ones((6, 3), "float32"))
         opt = ka.GradientAccumulation(keras.optimizers.Adam(0.1), steps=2)
         opt.apply([g], [var])
-        double = (tf.IndexedSlices(g.values * 2, g.indices, g.dense_shape)
-                  if isinstance(g, tf.IndexedSlices) else g * 2)
+        double = (
+            tf.IndexedSlices(g.values * 2, g.indices, g.dense_shape)
+            if isinstance(g, tf.IndexedSlices)
+            else g * 2
+        )
         opt.apply([double], [var])
         results.append(var.numpy())
     np.testing.assert_array_equal(results[0], results[1])
@@ -205,12 +201,14 @@ def test_sparse_gradients_match_dense():
 
 def test_embedding_model_trains_with_fit():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((4,), dtype="int32"),
-        keras.layers.Embedding(10, 3),
-        keras.layers.GlobalAveragePooling1D(),
-        keras.layers.Dense(2),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(10, 3),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(2),
+        ]
+    )
     model.compile(
         optimizer=ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -230,8 +228,9 @@ def test_inside_loss_scale_optimizer():
     rng = np.random.default_rng(3)
     micro = rng.normal(size=(4, 5)).astype("float32")
     plain = keras.Variable(np.zeros(5, "float32"))
-    drive(ka.GradientAccumulation(keras.optimizers.Adam(0.1), steps=2),
-          [plain], [[g] for g in micro])
+    drive(
+        ka.GradientAccumulation(keras.optimizers.Adam(0.1), steps=2), [plain], [[g] for g in micro]
+    )
     scaled = keras.Variable(np.zeros(5, "float32"))
     lso = keras.optimizers.LossScaleOptimizer(
         ka.GradientAccumulation(keras.optimizers.Adam(0.1), steps=2),
@@ -256,8 +255,7 @@ def test_mixed_float16_fit_trains():
             loss="mse",
         )
         x = np.ones((8, 3), "float32")
-        history = model.fit(x, np.zeros((8, 2), "float32"), batch_size=2,
-                            epochs=2, verbose=0)
+        history = model.fit(x, np.zeros((8, 2), "float32"), batch_size=2, epochs=2, verbose=0)
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         assert int(model.optimizer.iterations) == 4
         assert history.history["loss"][1] < history.history["loss"][0]
@@ -270,8 +268,7 @@ class TestNonFinite:
 
     def run(self, nonfinite, steps=2):
         var = keras.Variable(np.zeros(2, "float32"))
-        opt = ka.GradientAccumulation(keras.optimizers.SGD(1.0), steps=steps,
-                                      nonfinite=nonfinite)
+        opt = ka.GradientAccumulation(keras.optimizers.SGD(1.0), steps=steps, nonfinite=nonfinite)
         history = drive(opt, [var], [[g] for g in self.micro])
         return opt, history
 

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_accum import data
-from keras_accum import invariance
+from keras_accum.experiments import data, invariance
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 B = 32  # micro-batch size
@@ -31,40 +30,60 @@ def bench(data_dir):
     x, y = invariance.load_arrays("mnist1d", "train", data_dir)
     test = invariance.load_arrays("mnist1d", "test", data_dir)
     eval_data = {"train": (x[:500], y[:500]), "test": test}
-    trainer = invariance.Trainer("mlp", info.input_shape, info.num_classes,
-                                 eval_data)
+    trainer = invariance.Trainer("mlp", info.input_shape, info.num_classes, eval_data)
     idx = invariance.micro_batch_indices(len(x), B, 64, seed=0)
-    return {"trainer": trainer, "weights": trainer.initial_weights(0),
-            "xs": tf.constant(x[idx]), "ys": tf.constant(y[idx]),
-            "info": info, "eval_data": eval_data}
+    return {
+        "trainer": trainer,
+        "weights": trainer.initial_weights(0),
+        "xs": tf.constant(x[idx]),
+        "ys": tf.constant(y[idx]),
+        "info": info,
+        "eval_data": eval_data,
+    }
 
 
 def rows_of(method, kappa, lr, points):
-    return [{"method": method, "learning_rate": lr, "kappa": kappa,
-             "seed": 0, **p} for p in points]
+    return [{"method": method, "learning_rate": lr, "kappa": kappa, "seed": 0, **p} for p in points]
 
 
 def test_smoke_variant_end_to_end(data_dir, tmp_path):
-    config = invariance.load_config_file(
-        ROOT / "saved_configs/invariance.py", "smoke")
+    config = invariance.load_config_file(ROOT / "saved_configs/invariance.py", "smoke")
     config.update(data_dir=data_dir, verbose=0)
     invariance.run_study(config, tmp_path / "out")
     out = tmp_path / "out"
     resolved = invariance.resolve_config(config)
-    for name in ("config.json", "runs.csv", "noise_scale.csv", "spread.md",
-                 "spread_vs_lr.png", "summary.json") + tuple(
-                     f"curves_lr_{lr:g}.png"
-                     for lr in resolved["plot_learning_rates"]):
+    for name in (
+        "config.json",
+        "runs.csv",
+        "noise_scale.csv",
+        "spread.md",
+        "spread_vs_lr.png",
+        "summary.json",
+    ) + tuple(f"curves_lr_{lr:g}.png" for lr in resolved["plot_learning_rates"]):
         assert (out / name).stat().st_size > 0, name
     assert json.loads((out / "config.json").read_text()) == resolved
 
     rows = list(csv.DictReader(open(out / "runs.csv")))
     points = range(0, resolved["train_examples"] + 1, resolved["eval_every"])
-    expected = set(itertools.product(
-        resolved["methods"], resolved["learning_rates"], resolved["kappas"],
-        resolved["seeds"], points))
-    keys = [(r["method"], float(r["learning_rate"]), int(r["kappa"]),
-             int(r["seed"]), int(r["examples"])) for r in rows]
+    expected = set(
+        itertools.product(
+            resolved["methods"],
+            resolved["learning_rates"],
+            resolved["kappas"],
+            resolved["seeds"],
+            points,
+        )
+    )
+    keys = [
+        (
+            r["method"],
+            float(r["learning_rate"]),
+            int(r["kappa"]),
+            int(r["seed"]),
+            int(r["examples"]),
+        )
+        for r in rows
+    ]
     assert len(keys) == len(set(keys)) == len(expected)
     assert set(keys) == expected
     # Matched examples: every kappa is at a window end at every point.
@@ -77,8 +96,7 @@ def test_smoke_variant_end_to_end(data_dir, tmp_path):
     assert "B_simple" in table
     noise = list(csv.DictReader(open(out / "noise_scale.csv")))
     # Initial model and the kappa = 1 model trained at each lr, per seed.
-    assert len(noise) == len(resolved["seeds"]) * (
-        1 + len(resolved["learning_rates"]))
+    assert len(noise) == len(resolved["seeds"]) * (1 + len(resolved["learning_rates"]))
 
 
 def test_kappa_one_is_adam_for_every_method(bench):
@@ -87,8 +105,7 @@ def test_kappa_one_is_adam_for_every_method(bench):
     trainer, lr = bench["trainer"], 3e-3
     results = {}
     for method in invariance.METHODS:
-        points = trainer.run(method, 1, lr, bench["weights"],
-                             bench["xs"][:16], bench["ys"][:16], 8)
+        points = trainer.run(method, 1, lr, bench["weights"], bench["xs"][:16], bench["ys"][:16], 8)
         results[method] = (points, trainer.model.get_weights())
     ref_points, ref_weights = results["invariant"]
     assert ref_points[-1]["train_loss"] < ref_points[0]["train_loss"]
@@ -108,11 +125,11 @@ def test_tiny_lr_invariant_curves_agree_plain_ones_do_not(bench):
     trainer, lr = bench["trainer"], 1e-4
     xs, ys, w = bench["xs"], bench["ys"], bench["weights"]
     adam = trainer.run("invariant", 1, lr, w, xs, ys, 8)
-    rows = {m: rows_of(m, 1, lr, adam) + rows_of(
-        m, 4, lr, trainer.run(m, 4, lr, w, xs, ys, 8))
-        for m in ("invariant", "plain", "sqrt")}
-    spread = {m: invariance.spreads(r, [1, 4])[m, lr, 0]
-              for m, r in rows.items()}
+    rows = {
+        m: rows_of(m, 1, lr, adam) + rows_of(m, 4, lr, trainer.run(m, 4, lr, w, xs, ys, 8))
+        for m in ("invariant", "plain", "sqrt")
+    }
+    spread = {m: invariance.spreads(r, [1, 4])[m, lr, 0] for m, r in rows.items()}
     moved = adam[0]["train_loss"] - adam[-1]["train_loss"]
     assert moved > 0.05  # the curves are not flat: the test has teeth
     for metric in ("train_loss", "test_loss"):
@@ -129,8 +146,9 @@ def test_reused_compiled_loop_equals_a_fresh_one(bench):
     trainer, xs, ys = bench["trainer"], bench["xs"][:16], bench["ys"][:16]
     trainer.run("sqrt", 2, 1e-2, trainer.initial_weights(1), xs, ys, 8)
     reused = trainer.run("sqrt", 2, 1e-3, bench["weights"], xs, ys, 8)
-    fresh = invariance.Trainer("mlp", bench["info"].input_shape,
-                               bench["info"].num_classes, bench["eval_data"])
+    fresh = invariance.Trainer(
+        "mlp", bench["info"].input_shape, bench["info"].num_classes, bench["eval_data"]
+    )
     assert fresh.run("sqrt", 2, 1e-3, bench["weights"], xs, ys, 8) == reused
 
 
@@ -139,19 +157,21 @@ def test_same_stream_for_every_kappa_and_epochs_are_permutations():
     assert idx.shape == (30, 8)
     flat = idx.ravel()
     for start in range(0, 200, 100):  # two whole epochs in the 240 items
-        assert sorted(flat[start:start + 100]) == list(range(100))
-    np.testing.assert_array_equal(
-        idx, invariance.micro_batch_indices(100, 8, 30, seed=3))
+        assert sorted(flat[start : start + 100]) == list(range(100))
+    np.testing.assert_array_equal(idx, invariance.micro_batch_indices(100, 8, 30, seed=3))
 
 
-@pytest.mark.parametrize("override,match", [
-    ({"eval_every": 128}, r"multiple of the largest window .* = 256"),
-    ({"train_examples": 1000}, "multiple of `eval_every`"),
-    ({"methods": ["adam"]}, r"Received: methods=\['adam'\]"),
-    ({"kappas": [1, 16]}, r"kappa \* \(1 - beta_1\)"),
-    ({"plot_learning_rates": [0.5]}, "must be among `learning_rates`"),
-    ({"stpes": 1}, r"Unknown config key\(s\) \['stpes'\]"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ({"eval_every": 128}, r"multiple of the largest window .* = 256"),
+        ({"train_examples": 1000}, "multiple of `eval_every`"),
+        ({"methods": ["adam"]}, r"Received: methods=\['adam'\]"),
+        ({"kappas": [1, 16]}, r"kappa \* \(1 - beta_1\)"),
+        ({"plot_learning_rates": [0.5]}, "must be among `learning_rates`"),
+        ({"stpes": 1}, r"Unknown config key\(s\) \['stpes'\]"),
+    ],
+)
 def test_bad_configs_are_refused(override, match):
     with pytest.raises(ValueError, match=match):
         invariance.resolve_config(override)

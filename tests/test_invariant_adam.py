@@ -50,8 +50,7 @@ def test_single_step_by_hand():
     alpha = 0.1 * np.sqrt(1 - 0.999) / (1 - 0.9)
     # rtol: 1 - beta_2**k in float32 (as Keras Adam computes it) carries a
     # relative error of ~1e-5 at k = 1.
-    np.testing.assert_allclose(var.numpy(), [-alpha * m / (np.sqrt(v) + 1e-7)],
-                               rtol=2e-5)
+    np.testing.assert_allclose(var.numpy(), [-alpha * m / (np.sqrt(v) + 1e-7)], rtol=2e-5)
     # Standard accumulation would have used v = 0.001 * 2**2 instead.
     assert abs(var.numpy()[0] + alpha * m / np.sqrt(0.004)) > 1e-3
 
@@ -73,8 +72,7 @@ def test_uses_only_adams_two_slots_per_parameter():
     var = keras.Variable(np.zeros((10, 10), "float32"))
     opt = ka.InvariantAdam(steps=8)
     opt.build([var])
-    per_param = sum(int(np.prod(v.shape)) for v in opt.variables
-                    if len(v.shape)) / 100
+    per_param = sum(int(np.prod(v.shape)) for v in opt.variables if len(v.shape)) / 100
     assert per_param == 2
 
 
@@ -88,8 +86,7 @@ def test_v_sees_gradient_noise_not_batch_size():
         var = keras.Variable(np.zeros(2000, "float32"))
         opt = ka.InvariantAdam(1e-9, beta_2=0.0, steps=steps)
         for _ in range(steps):
-            opt.apply([tf.constant(rng.normal(1.0, 2.0, 2000), "float32")],
-                      [var])
+            opt.apply([tf.constant(rng.normal(1.0, 2.0, 2000), "float32")], [var])
         values[steps] = float(np.mean(opt._velocities[0].numpy()))
     # |G|^2 + sigma^2 = 1 + 4 for every kappa (sampling error ~2%).
     for steps, value in values.items():
@@ -103,7 +100,8 @@ def test_skipped_micro_batch_counts_as_zero_gradient():
     opt.apply([tf.constant([2.0, 2.0])], [var])
     window = np.array([[0.0, 0.0], [2.0, 2.0]])
     np.testing.assert_allclose(
-        var.numpy(), np_invariant_adam(np.zeros(2), [window], 0.1), rtol=2e-5)
+        var.numpy(), np_invariant_adam(np.zeros(2), [window], 0.1), rtol=2e-5
+    )
     assert int(opt.skipped_micro_batches.numpy()) == 1
     assert all(np.all(np.isfinite(v.numpy())) for v in opt.variables)
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from keras_accum import multiworker
+from keras_accum.training import multiworker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = [sys.executable, os.path.join(ROOT, "tests", "_train_job.py")]
@@ -27,25 +27,34 @@ def test_two_workers_equal_one_process(tmp_path):
     # weights is the big-batch Adam step, also for the short batches. Equal
     # to float32 rounding (the sums are taken in another order).
     codes = multiworker.launch_local_workers(
-        2, JOB + ["--workdir", str(tmp_path / "multi"), "--steps", "2",
-                  "--epochs", "2"],
-        env=ENV, log_dir=str(tmp_path / "logs"), timeout=300)
+        2,
+        JOB + ["--workdir", str(tmp_path / "multi"), "--steps", "2", "--epochs", "2"],
+        env=ENV,
+        log_dir=str(tmp_path / "logs"),
+        timeout=300,
+    )
     assert codes == [0, 0]
     single = subprocess.run(
-        JOB + ["--workdir", str(tmp_path / "single"), "--steps", "4",
-                     "--epochs", "2"],
-        env=dict(os.environ, **ENV), capture_output=True, text=True,
-        timeout=300)
+        JOB + ["--workdir", str(tmp_path / "single"), "--steps", "4", "--epochs", "2"],
+        env=dict(os.environ, **ENV),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stdout + single.stderr
     expected = np.load(tmp_path / "single" / "final.npz")
     actual = np.load(tmp_path / "multi" / "final.npz")
     for name in expected:
-        np.testing.assert_allclose(actual[name], expected[name],
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6)
     # Only the chief wrote checkpoints and logs.
     assert (tmp_path / "multi" / "checkpoints").is_dir()
     assert sorted(os.listdir(tmp_path / "multi")) == [
-        "checkpoints", "config.json", "final.npz", "log.jsonl", "tensorboard"]
+        "checkpoints",
+        "config.json",
+        "final.npz",
+        "log.jsonl",
+        "tensorboard",
+    ]
 
 
 def test_killed_worker_stops_the_survivor(tmp_path):
@@ -54,14 +63,16 @@ def test_killed_worker_stops_the_survivor(tmp_path):
     # heartbeats) within a bounded time, not hang; the launcher then reports
     # the first failure. The bound is a hang guard, not a timing claim.
     cluster = multiworker.LocalCluster(
-        2, JOB + ["--workdir", str(tmp_path / "run"), "--epochs", "50",
-                  "--sleep", "0.2"],
-        env=ENV, log_dir=str(tmp_path / "logs"), grace_seconds=120)
+        2,
+        JOB + ["--workdir", str(tmp_path / "run"), "--epochs", "50", "--sleep", "0.2"],
+        env=ENV,
+        log_dir=str(tmp_path / "logs"),
+        grace_seconds=120,
+    )
     with cluster:
         deadline = time.monotonic() + 180
         while "window 3" not in cluster.log(1):
-            assert all(p.poll() is None for p in cluster.processes), (
-                cluster.log(0) + cluster.log(1))
+            assert all(p.poll() is None for p in cluster.processes), cluster.log(0) + cluster.log(1)
             assert time.monotonic() < deadline
             time.sleep(0.1)
         cluster.kill(1, signal.SIGKILL)
@@ -70,28 +81,32 @@ def test_killed_worker_stops_the_survivor(tmp_path):
         try:
             survivor.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail("the surviving worker still runs 60 s after its "
-                        "peer died:\n" + cluster.log(0)[-3000:])
+            pytest.fail(
+                "the surviving worker still runs 60 s after its "
+                "peer died:\n" + cluster.log(0)[-3000:]
+            )
         assert time.monotonic() - killed_at < 60
         assert survivor.returncode != 0
         assert "WorkerLostError" in cluster.log(0), cluster.log(0)[-3000:]
-        with pytest.raises(multiworker.WorkerFailedError,
-                           match=r"Worker 1 failed with exit code -9"):
+        with pytest.raises(
+            multiworker.WorkerFailedError, match=r"Worker 1 failed with exit code -9"
+        ):
             cluster.wait(timeout=10)
 
 
 def test_launcher_kills_the_rest_after_a_failure(tmp_path):
     # A worker that fails while the other one would run on: the launcher
     # kills the other after grace_seconds and raises.
-    script = ("import os, sys, time, json\n"
-              "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
-              "sys.exit(3) if i == 1 else time.sleep(600)\n")
+    script = (
+        "import os, sys, time, json\n"
+        "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "sys.exit(3) if i == 1 else time.sleep(600)\n"
+    )
     start = time.monotonic()
-    with pytest.raises(multiworker.WorkerFailedError,
-                       match=r"Worker 1 failed with exit code 3"):
+    with pytest.raises(multiworker.WorkerFailedError, match=r"Worker 1 failed with exit code 3"):
         multiworker.launch_local_workers(
-            2, [sys.executable, "-c", script], log_dir=str(tmp_path),
-            grace_seconds=1, timeout=120)
+            2, [sys.executable, "-c", script], log_dir=str(tmp_path), grace_seconds=1, timeout=120
+        )
     assert time.monotonic() - start < 60
 
 

@@ -37,14 +37,16 @@ mirrored = mirrored_strategy
 def data(items=32, features=3, outputs=2, seed=0):
     rng = np.random.RandomState(seed)
     x = rng.randn(items, features).astype("float32")
-    y = (x @ rng.randn(features, outputs) + 0.3 * rng.randn(items, outputs))
+    y = x @ rng.randn(features, outputs) + 0.3 * rng.randn(items, outputs)
     return x, y.astype("float32")
 
 
 def initial(features=3, outputs=2):
     rng = np.random.RandomState(1)
-    return [rng.randn(features, outputs).astype("float32") * 0.5,
-            rng.randn(outputs).astype("float32") * 0.1]
+    return [
+        rng.randn(features, outputs).astype("float32") * 0.5,
+        rng.randn(outputs).astype("float32") * 0.1,
+    ]
 
 
 OPTIMIZERS = {
@@ -66,8 +68,16 @@ def build(strategy, optimizer="ga_sgd", steps=2):
 def run(optimizer, replicas, steps, dataset, epochs=2, **kwargs):
     strategy = mirrored() if replicas == 2 else tf.distribute.get_strategy()
     model, opt = build(strategy, optimizer, steps)
-    training.train(model, opt, kwargs.pop("loss", "mse"), dataset,
-                   strategy=strategy, epochs=epochs, verbose=0, **kwargs)
+    training.train(
+        model,
+        opt,
+        kwargs.pop("loss", "mse"),
+        dataset,
+        strategy=strategy,
+        epochs=epochs,
+        verbose=0,
+        **kwargs,
+    )
     return model.get_weights(), opt
 
 
@@ -106,7 +116,7 @@ class Adam:
         # As Keras: the bias correction uses float32(beta) ** t, while the
         # moment updates use 1 - beta in float64 (1 - float32(0.999) is
         # 1.3e-5 relative off 0.001, which would show after one step).
-        alpha = f32(LR) * np.sqrt(1 - f32(B2)**t) / (1 - f32(B1)**t)
+        alpha = f32(LR) * np.sqrt(1 - f32(B2) ** t) / (1 - f32(B1) ** t)
         return [alpha * m / (np.sqrt(v) + EPS) for m, v in zip(self.m, self.v)]
 
     def step(self, params, g):
@@ -119,9 +129,13 @@ def micro_batches(n, replicas, steps):
     """Item indices of micro-batch [j][r]: replica r gets the r-th
     contiguous share of the global batch and splits it into `steps` parts."""
     share = n // replicas
-    return [[np.arange(r * share + (j * share) // steps,
-                       r * share + ((j + 1) * share) // steps)
-             for r in range(replicas)] for j in range(steps)]
+    return [
+        [
+            np.arange(r * share + (j * share) // steps, r * share + ((j + 1) * share) // steps)
+            for r in range(replicas)
+        ]
+        for j in range(steps)
+    ]
 
 
 def reference(optimizer, batches, replicas, steps, epochs=2):
@@ -136,8 +150,10 @@ def reference(optimizer, batches, replicas, steps, epochs=2):
         elif optimizer == "invariant":  # mean of g_j and of g_j**2
             gs = [grad(params, x[i], y[i]) for step in parts for i in step]
             adam.t += 1
-            adam.moments([np.mean([g[k] for g in gs], 0) for k in (0, 1)],
-                         [np.mean([g[k] ** 2 for g in gs], 0) for k in (0, 1)])
+            adam.moments(
+                [np.mean([g[k] for g in gs], 0) for k in (0, 1)],
+                [np.mean([g[k] ** 2 for g in gs], 0) for k in (0, 1)],
+            )
             params = [p - d for p, d in zip(params, adam.direction(adam.t))]
         else:  # update accumulation: Adam moments every global micro-step
             total = [0 * p for p in params]
@@ -207,8 +223,7 @@ def test_short_batch_and_sample_weights_equal_big_batch(last_batch):
     ends = [8, 16, 22] if last_batch == "weighted" else [8, 16]
     for _ in range(2):
         for lo, hi in zip([0] + ends, ends):
-            expected = adam.step(expected,
-                                 grad(expected, x[lo:hi], y[lo:hi], w[lo:hi]))
+            expected = adam.step(expected, grad(expected, x[lo:hi], y[lo:hi], w[lo:hi]))
     assert int(opt.iterations.numpy()) == 2 * len(ends)
     assert_close(params, expected)
 
@@ -224,14 +239,12 @@ def test_plain_keras_optimizer_is_one_update_per_batch():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.set_weights(initial())
         opt = keras.optimizers.Adam(LR)
-    training.train(model, opt, "mse", dataset, strategy=strategy, epochs=2,
-                   verbose=0)
+    training.train(model, opt, "mse", dataset, strategy=strategy, epochs=2, verbose=0)
     adam = Adam()
     expected = [p.astype(np.float64) for p in initial()]
     for _ in range(2):
         for lo, hi in [(0, 8), (8, 16), (16, 22)]:
-            expected = adam.step(expected,
-                                 grad(expected, x[lo:hi], y[lo:hi], w[lo:hi]))
+            expected = adam.step(expected, grad(expected, x[lo:hi], y[lo:hi], w[lo:hi]))
     assert int(opt.iterations.numpy()) == 6
     assert_close(model.get_weights(), expected)
 
@@ -243,22 +256,27 @@ def test_logs_metrics_and_evaluation(tmp_path, capsys):
     dataset = tf.data.Dataset.from_tensor_slices((x, labels)).batch(8)
     strategy = mirrored()
     with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((3,)), keras.layers.Dense(3, activation="softmax")])
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3, activation="softmax")])
         opt = OPTIMIZERS["ga_sgd"](2)
 
     def loss_and_accuracy(xs, ys):
         p = model.predict(xs, verbose=0).astype(np.float64)
-        return (-np.log(p[np.arange(len(ys)), ys]).mean(),
-                (p.argmax(1) == ys).mean())
+        return (-np.log(p[np.arange(len(ys)), ys]).mean(), (p.argmax(1) == ys).mean())
 
     # Updates happen at window ends, so window 1 is evaluated at the
     # initial weights.
     first = loss_and_accuracy(x[:8], labels[:8])
     history = training.train(
-        model, opt, "sparse_categorical_crossentropy", dataset,
-        strategy=strategy, workdir=str(tmp_path), metrics=["accuracy"],
-        eval_dataset=dataset, verbose=1)
+        model,
+        opt,
+        "sparse_categorical_crossentropy",
+        dataset,
+        strategy=strategy,
+        workdir=str(tmp_path),
+        metrics=["accuracy"],
+        eval_dataset=dataset,
+        verbose=1,
+    )
     progress = capsys.readouterr().out
     assert "2/2" in progress and "examples/s" in progress
     final = loss_and_accuracy(x, labels)
@@ -277,13 +295,22 @@ def test_logs_metrics_and_evaluation(tmp_path, capsys):
     for path in (tmp_path / "tensorboard").iterdir():
         for event in tf.compat.v1.train.summary_iterator(str(path)):
             tags.update(v.tag for v in event.summary.value)
-    assert {"loss", "accuracy", "learning_rate", "updates",
-            "skipped_micro_batches", "examples_per_second",
-            "epoch/val_loss"} <= tags
+    assert {
+        "loss",
+        "accuracy",
+        "learning_rate",
+        "updates",
+        "skipped_micro_batches",
+        "examples_per_second",
+        "epoch/val_loss",
+    } <= tags
     with open(tmp_path / "config.json") as f:
         config = json.load(f)
-    assert (config["global_batch_size"], config["micro_batch_size"],
-            config["replicas"]) == (8, 2, 2)
+    assert (config["global_batch_size"], config["micro_batch_size"], config["replicas"]) == (
+        8,
+        2,
+        2,
+    )
 
 
 def test_token_mask_equals_masked_big_batch():
@@ -292,8 +319,7 @@ def test_token_mask_equals_masked_big_batch():
     x, y = data(items=22)
     mask = (np.random.RandomState(3).rand(22, 2) > 0.3).astype("float32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y, mask)).batch(8)
-    params, _ = run("ga_sgd", 2, 2, dataset,
-                    loss=lambda t, p: tf.square(p - t))
+    params, _ = run("ga_sgd", 2, 2, dataset, loss=lambda t, p: tf.square(p - t))
     expected = [p.astype(np.float64) for p in initial()]
     for _ in range(2):
         for lo, hi in [(0, 8), (8, 16), (16, 22)]:
@@ -330,13 +356,18 @@ def test_step_traces_once():
     assert trainer.train_step.experimental_get_tracing_count() == 1
 
 
-@pytest.mark.parametrize("optimizer,steps,per_window", [
-    ("ga_sgd", 2, 1), ("ga_sgd", 4, 1),      # one all-reduce per window
-    ("invariant", 2, 2), ("invariant", 4, 2),  # m, v: see below
-    ("update", 2, 2), ("update", 4, 4),      # one per micro-step
-])
-def test_gradient_all_reduces_per_window(optimizer, steps, per_window,
-                                         monkeypatch):
+@pytest.mark.parametrize(
+    "optimizer,steps,per_window",
+    [
+        ("ga_sgd", 2, 1),
+        ("ga_sgd", 4, 1),  # one all-reduce per window
+        ("invariant", 2, 2),
+        ("invariant", 4, 2),  # m, v: see below
+        ("update", 2, 2),
+        ("update", 4, 4),  # one per micro-step
+    ],
+)
+def test_gradient_all_reduces_per_window(optimizer, steps, per_window, monkeypatch):
     # Counts, at run time, the tensors that go through a cross-device
     # reduction, split into kernel-shaped ones (a gradient or gradient-sized
     # state: the expensive all-reduces) and the rest. The counter increment
@@ -359,11 +390,10 @@ def test_gradient_all_reduces_per_window(optimizer, steps, per_window,
         (gradient_sized if kernel_sized else others).assign_add(1)
         return reduce(self, reduce_op, per_replica_value, destinations, options)
 
-    monkeypatch.setattr(tf.distribute.ReductionToOneDevice,
-                        "reduce_implementation", counting)
+    monkeypatch.setattr(tf.distribute.ReductionToOneDevice, "reduce_implementation", counting)
     strategy = tf.distribute.MirroredStrategy(
-        ["/cpu:0", "/cpu:1"],
-        cross_device_ops=tf.distribute.ReductionToOneDevice())
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
     x, y = data(items=32)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).take(1)
     model, opt = build(strategy, optimizer, steps)
@@ -418,24 +448,30 @@ def test_mid_window_checkpoint_restores_accumulators(optimizer, tmp_path):
     assert int(resumed.batches.numpy()) == 4
     micro_steps(resumed, 5)
     assert int(resumed.optimizer.iterations.numpy()) == 3
-    assert_close(resumed.model.get_weights(),
-                 uninterrupted.model.get_weights())
+    assert_close(resumed.model.get_weights(), uninterrupted.model.get_weights())
     # And the numpy reference. Micro-step j holds items 4j..4j+3, 2 per
     # replica: as a window of 12 items that is the layout of 1 replica x 3
     # steps for the global micro-steps (UpdateAccumulationAdam) and the same
     # six 2-item micro-batches as 2 replicas x 3 steps (InvariantAdam).
     replicas = 1 if optimizer == "update" else 2
-    windows = [(x[i:i + 12], y[i:i + 12]) for i in (0, 12, 24)]
-    assert_close(resumed.model.get_weights(),
-                 reference(optimizer, windows, replicas, 3, epochs=1))
+    windows = [(x[i : i + 12], y[i : i + 12]) for i in (0, 12, 24)]
+    assert_close(resumed.model.get_weights(), reference(optimizer, windows, replicas, 3, epochs=1))
 
 
 def job(workdir, *args, **popen):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    command = [sys.executable, os.path.join(ROOT, "tests", "_train_job.py"),
-               "--workdir", str(workdir), "--replicas", "2", *args]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **popen)
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "tests", "_train_job.py"),
+        "--workdir",
+        str(workdir),
+        "--replicas",
+        "2",
+        *args,
+    ]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
 
 
 def test_killed_run_resumes_to_the_same_weights(tmp_path):
@@ -482,21 +518,24 @@ def bad(match, dataset=None, **kwargs):
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(ValueError, match=match):
         training.train(
-            model, opt, kwargs.pop("loss", "mse"),
+            model,
+            opt,
+            kwargs.pop("loss", "mse"),
             dataset or tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
-            strategy=strategy, verbose=0, **kwargs)
+            strategy=strategy,
+            verbose=0,
+            **kwargs,
+        )
     assert_close(model.get_weights(), before, rtol=0, atol=0)
     assert int(opt.iterations.numpy()) == 0
 
 
 def test_micro_batch_size_must_divide_per_replica_batch():
-    bad(r"micro_batch_size.*per-replica batch size 8.*micro_batch_size=3",
-        micro_batch_size=3)
+    bad(r"micro_batch_size.*per-replica batch size 8.*micro_batch_size=3", micro_batch_size=3)
 
 
 def test_micro_batch_size_must_match_optimizer_steps():
-    bad(r"gives 4 micro-batches.*steps=2.*micro_batch_size=2",
-        micro_batch_size=2)
+    bad(r"gives 4 micro-batches.*steps=2.*micro_batch_size=2", micro_batch_size=2)
 
 
 def test_steps_and_micro_batch_size_not_both():
@@ -509,8 +548,7 @@ def test_steps_must_match_optimizer():
 
 def test_per_replica_batch_not_divisible_by_steps():
     x, y = data()
-    bad(r"per-replica batch size 3 .*steps=2",
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(6))
+    bad(r"per-replica batch size 3 .*steps=2", tf.data.Dataset.from_tensor_slices((x, y)).batch(6))
 
 
 def test_optimizer_created_outside_strategy_scope():
@@ -518,8 +556,9 @@ def test_optimizer_created_outside_strategy_scope():
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     opt = OPTIMIZERS["ga_sgd"](2)
-    bad(r"outside `strategy.scope\(\)`.*Received: optimizer=",
-        strategy=strategy, built=(model, opt))
+    bad(
+        r"outside `strategy.scope\(\)`.*Received: optimizer=", strategy=strategy, built=(model, opt)
+    )
 
 
 def test_inner_optimizer_created_outside_strategy_scope():
@@ -528,8 +567,11 @@ def test_inner_optimizer_created_outside_strategy_scope():
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         opt = ka.GradientAccumulation(inner, 2)
-    bad(r"outside `strategy.scope\(\)`.*Received: optimizer=<.*SGD",
-        strategy=strategy, built=(model, opt))
+    bad(
+        r"outside `strategy.scope\(\)`.*Received: optimizer=<.*SGD",
+        strategy=strategy,
+        built=(model, opt),
+    )
 
 
 def test_model_created_outside_strategy_scope():
@@ -537,25 +579,23 @@ def test_model_created_outside_strategy_scope():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     with strategy.scope():
         opt = OPTIMIZERS["ga_sgd"](2)
-    bad(r"`model` variable .* outside `strategy.scope\(\)`",
-        strategy=strategy, built=(model, opt))
+    bad(r"`model` variable .* outside `strategy.scope\(\)`", strategy=strategy, built=(model, opt))
 
 
 def test_empty_dataset():
     x, y = data()
-    bad(r"`dataset` is empty",
-        tf.data.Dataset.from_tensor_slices((x, y)).take(0).batch(16))
+    bad(r"`dataset` is empty", tf.data.Dataset.from_tensor_slices((x, y)).take(0).batch(16))
 
 
 def test_infinite_dataset():
     x, y = data()
-    bad(r"must be finite",
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat())
+    bad(r"must be finite", tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat())
 
 
 def test_reduced_loss_is_refused():
-    bad(r"per-item values, not a reduced scalar",
-        loss=lambda t, p: tf.reduce_mean(tf.square(p - t)))
+    bad(
+        r"per-item values, not a reduced scalar", loss=lambda t, p: tf.reduce_mean(tf.square(p - t))
+    )
 
 
 def test_bad_last_batch_and_epochs():

@@ -8,8 +8,7 @@ import tensorflow as tf
 import keras_accum as ka
 
 
-def np_update_accumulation_adam(theta, targets, steps, lr, b1=0.9, b2=0.999,
-                                eps=1e-7):
+def np_update_accumulation_adam(theta, targets, steps, lr, b1=0.9, b2=0.999, eps=1e-7):
     """Loss 0.5 |theta - target_t|^2 per micro-batch, in float64. Returns
     theta after each micro-step."""
     m = v = acc = np.zeros_like(theta)
@@ -57,8 +56,7 @@ def test_one_extra_buffer_only_when_accumulating():
     for steps, slots in [(1, 2), (4, 3)]:
         opt = ka.UpdateAccumulationAdam(steps=steps)
         opt.build([var])
-        assert sum(int(np.prod(v.shape)) for v in opt.variables
-                   if len(v.shape)) == slots * 7
+        assert sum(int(np.prod(v.shape)) for v in opt.variables if len(v.shape)) == slots * 7
 
 
 def test_skip_window_keeps_theta_and_moments_finite():

@@ -38,8 +38,7 @@ def cnn(input_shape, num_classes, channels=25, kernel_sizes=(5, 3, 3)):
     inputs = keras.Input(input_shape)
     x = layers.Reshape((-1, 1))(inputs)  # (40,) -> (40, 1): one channel.
     for k in kernel_sizes:
-        x = layers.Conv1D(channels, k, strides=2, padding="same",
-                          activation="relu")(x)
+        x = layers.Conv1D(channels, k, strides=2, padding="same", activation="relu")(x)
     x = layers.Flatten()(x)
     return keras.Model(inputs, layers.Dense(num_classes)(x), name="cnn")
 
@@ -68,8 +67,7 @@ def resnet(input_shape, num_classes, width=32, blocks_per_stage=2):
 
 
 def _conv_bn(x, filters, kernel, stride):
-    x = layers.Conv2D(filters, kernel, strides=stride, padding="same",
-                      use_bias=False)(x)
+    x = layers.Conv2D(filters, kernel, strides=stride, padding="same", use_bias=False)(x)
     return layers.BatchNormalization()(x)
 
 
@@ -88,15 +86,16 @@ class PositionEmbedding(layers.Layer):
 
     def build(self, input_shape):
         self.embedding = self.add_weight(
-            shape=tuple(input_shape[1:]), name="embedding",
-            initializer=keras.initializers.RandomNormal(stddev=0.02))
+            shape=tuple(input_shape[1:]),
+            name="embedding",
+            initializer=keras.initializers.RandomNormal(stddev=0.02),
+        )
 
     def call(self, x):
         return x + self.embedding
 
 
-def transformer(input_shape, num_classes, vocab_size, dim=32, heads=2,
-                num_blocks=2, mlp_dim=64):
+def transformer(input_shape, num_classes, vocab_size, dim=32, heads=2, num_blocks=2, mlp_dim=64):
     """Pre-norm Transformer encoder on int tokens, mean-pooled, then Dense.
 
     `input_shape` is `(length,)`. The token `Embedding` receives sparse
@@ -113,8 +112,7 @@ def transformer(input_shape, num_classes, vocab_size, dim=32, heads=2,
         y = layers.Dense(mlp_dim, activation="gelu")(y)
         x = layers.Add()([x, layers.Dense(dim)(y)])
     x = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(x))
-    return keras.Model(inputs, layers.Dense(num_classes)(x),
-                       name="transformer")
+    return keras.Model(inputs, layers.Dense(num_classes)(x), name="transformer")
 
 
 MODELS = {"cnn": cnn, "mlp": mlp, "resnet": resnet, "transformer": transformer}
@@ -127,6 +125,5 @@ def build_model(name, input_shape, num_classes, **kwargs):
     transformer, which requires it).
     """
     if name not in MODELS:
-        raise ValueError(
-            f"Unknown model {name!r}. Valid: {', '.join(sorted(MODELS))}")
+        raise ValueError(f"Unknown model {name!r}. Valid: {', '.join(sorted(MODELS))}")
     return MODELS[name](tuple(input_shape), num_classes, **kwargs)

@@ -50,10 +50,12 @@ class Mnist1d(tfds.core.GeneratorBasedBuilder):
         return tfds.core.DatasetInfo(
             builder=self,
             description="MNIST-1D: 1-D signals of the ten digit templates.",
-            features=tfds.features.FeaturesDict({
-                "x": tfds.features.Tensor(shape=(40,), dtype=np.float32),
-                "label": tfds.features.ClassLabel(num_classes=10),
-            }),
+            features=tfds.features.FeaturesDict(
+                {
+                    "x": tfds.features.Tensor(shape=(40,), dtype=np.float32),
+                    "label": tfds.features.ClassLabel(num_classes=10),
+                }
+            ),
             supervised_keys=("x", "label"),
             disable_shuffling=True,  # Keep the package's example order.
             homepage="https://github.com/greydanus/mnist1d",
@@ -147,8 +149,9 @@ def dataset_info(name, data_dir=None):
     """`DatasetInfo` for `name` (prepares `mnist1d` if needed)."""
     if name == SYNTHETIC_TOKENS:
         n = TOKENS_EXAMPLES
-        return DatasetInfo((TOKENS_LEN,), TOKENS_VOCAB, n["train"], n["test"],
-                           vocab_size=TOKENS_VOCAB)
+        return DatasetInfo(
+            (TOKENS_LEN,), TOKENS_VOCAB, n["train"], n["test"], vocab_size=TOKENS_VOCAB
+        )
     info = builder(name, data_dir).info
     x_key, y_key = info.supervised_keys
     return DatasetInfo(
@@ -159,8 +162,7 @@ def dataset_info(name, data_dir=None):
     )
 
 
-def load(name, split, *, data_dir=None, batch_size=None, shuffle_seed=None,
-         drop_remainder=False):
+def load(name, split, *, data_dir=None, batch_size=None, shuffle_seed=None, drop_remainder=False):
     """A `tf.data.Dataset` of (features, label) for `split` of `name`.
 
     Features: uint8 images become float32 in [0, 1], other floats float32,
@@ -177,8 +179,7 @@ def load(name, split, *, data_dir=None, batch_size=None, shuffle_seed=None,
         ds = b.as_dataset(split=split, as_supervised=True, shuffle_files=False)
         ds = ds.cache().map(_convert, num_parallel_calls=tf.data.AUTOTUNE)
     if shuffle_seed is not None:
-        ds = ds.shuffle(ds.cardinality(), seed=shuffle_seed,
-                        reshuffle_each_iteration=True)
+        ds = ds.shuffle(ds.cardinality(), seed=shuffle_seed, reshuffle_each_iteration=True)
     if batch_size is not None:
         ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     return ds.prefetch(tf.data.AUTOTUNE)

@@ -91,8 +91,12 @@ class BenchConfig:
 
     models: tuple = ("cnn", "mlp")
     contenders: tuple = (
-        "adam", "keras_accumulation", "gradient_accumulation",
-        "invariant_adam", "update_accumulation_adam", "big_batch",
+        "adam",
+        "keras_accumulation",
+        "gradient_accumulation",
+        "invariant_adam",
+        "update_accumulation_adam",
+        "big_batch",
         "gradients_only",
     )
     settings: tuple = ("graph", "xla", "mirrored")
@@ -113,15 +117,18 @@ class BenchConfig:
         if not self.quick:
             return self
         return dataclasses.replace(
-            self, steps=min(self.steps, 2), micro_batch=min(self.micro_batch, 8),
-            windows=1, repeats=min(self.repeats, 2), warmup=1,
+            self,
+            steps=min(self.steps, 2),
+            micro_batch=min(self.micro_batch, 8),
+            windows=1,
+            repeats=min(self.repeats, 2),
+            warmup=1,
             min_sample_seconds=0.0,
         )
 
 
 def _log(message):
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr,
-          flush=True)
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # -- models --------------------------------------------------------------------
@@ -142,8 +149,7 @@ def mnist1d_cnn(quick=False):
     inputs = keras.Input((40,))
     x = keras.layers.Reshape((40, 1))(inputs)
     for _ in range(3):
-        x = keras.layers.Conv1D(25, 5, strides=2, padding="same",
-                                activation="relu")(x)
+        x = keras.layers.Conv1D(25, 5, strides=2, padding="same", activation="relu")(x)
     x = keras.layers.Flatten()(x)
     return keras.Model(inputs, keras.layers.Dense(10)(x), name="cnn")
 
@@ -164,10 +170,8 @@ def wide_mlp(quick=False):
 
 
 MODELS = {
-    "cnn": ModelSpec("cnn", "MNIST-1D CNN, 7,710 params", mnist1d_cnn,
-                     (40,), 10),
-    "mlp": ModelSpec("mlp", "MLP 1024-2048-1024-10, 4.21M params", wide_mlp,
-                     (1024,), 10),
+    "cnn": ModelSpec("cnn", "MNIST-1D CNN, 7,710 params", mnist1d_cnn, (40,), 10),
+    "mlp": ModelSpec("mlp", "MLP 1024-2048-1024-10, 4.21M params", wide_mlp, (1024,), 10),
 }
 
 
@@ -203,9 +207,9 @@ class GradientsOnly(keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None):
         if not self.built:
             self.build(list(trainable_variables))
-        self._sink.assign(tf.add_n(
-            [tf.reduce_sum(tf.cast(g, "float32")) for g in grads
-             if g is not None]))
+        self._sink.assign(
+            tf.add_n([tf.reduce_sum(tf.cast(g, "float32")) for g in grads if g is not None])
+        )
         self._iterations.assign_add(1)
 
 
@@ -234,36 +238,73 @@ def register(contender):
     return contender
 
 
-register(Contender(
-    "adam", "Adam (no accumulation)", "adam",
-    lambda steps: keras.optimizers.Adam()))
-register(Contender(
-    "keras_accumulation", "Adam(gradient_accumulation_steps=N)", "keras",
-    lambda steps: keras.optimizers.Adam(gradient_accumulation_steps=steps)))
-register(Contender(
-    "gradient_accumulation", "GradientAccumulation(Adam(), steps=N)", "ours",
-    lambda steps: ka.GradientAccumulation(keras.optimizers.Adam(), steps=steps)))
-register(Contender(
-    "invariant_adam", "InvariantAdam(steps=N)", "ours",
-    lambda steps: ka.InvariantAdam(steps=steps)))
-register(Contender(
-    "update_accumulation_adam", "UpdateAccumulationAdam(steps=N)", "ours",
-    lambda steps: ka.UpdateAccumulationAdam(steps=steps)))
-register(Contender(
-    "big_batch", "Adam on one batch of N x b", "big_batch",
-    lambda steps: keras.optimizers.Adam(), batch_factor="window"))
-register(Contender(
-    "gradients_only", "gradients computed then dropped", "gradients_only",
-    lambda steps: GradientsOnly()))
+register(Contender("adam", "Adam (no accumulation)", "adam", lambda steps: keras.optimizers.Adam()))
+register(
+    Contender(
+        "keras_accumulation",
+        "Adam(gradient_accumulation_steps=N)",
+        "keras",
+        lambda steps: keras.optimizers.Adam(gradient_accumulation_steps=steps),
+    )
+)
+register(
+    Contender(
+        "gradient_accumulation",
+        "GradientAccumulation(Adam(), steps=N)",
+        "ours",
+        lambda steps: ka.GradientAccumulation(keras.optimizers.Adam(), steps=steps),
+    )
+)
+register(
+    Contender(
+        "invariant_adam",
+        "InvariantAdam(steps=N)",
+        "ours",
+        lambda steps: ka.InvariantAdam(steps=steps),
+    )
+)
+register(
+    Contender(
+        "update_accumulation_adam",
+        "UpdateAccumulationAdam(steps=N)",
+        "ours",
+        lambda steps: ka.UpdateAccumulationAdam(steps=steps),
+    )
+)
+register(
+    Contender(
+        "big_batch",
+        "Adam on one batch of N x b",
+        "big_batch",
+        lambda steps: keras.optimizers.Adam(),
+        batch_factor="window",
+    )
+)
+register(
+    Contender(
+        "gradients_only",
+        "gradients computed then dropped",
+        "gradients_only",
+        lambda steps: GradientsOnly(),
+    )
+)
 # Not run by default: the cost of the default non-finite check, by difference.
-register(Contender(
-    "gradient_accumulation_nocheck",
-    "GradientAccumulation(Adam(), steps=N, nonfinite=None)", "ours",
-    lambda steps: ka.GradientAccumulation(
-        keras.optimizers.Adam(), steps=steps, nonfinite=None)))
-register(Contender(
-    "invariant_adam_nocheck", "InvariantAdam(steps=N, nonfinite=None)", "ours",
-    lambda steps: ka.InvariantAdam(steps=steps, nonfinite=None)))
+register(
+    Contender(
+        "gradient_accumulation_nocheck",
+        "GradientAccumulation(Adam(), steps=N, nonfinite=None)",
+        "ours",
+        lambda steps: ka.GradientAccumulation(keras.optimizers.Adam(), steps=steps, nonfinite=None),
+    )
+)
+register(
+    Contender(
+        "invariant_adam_nocheck",
+        "InvariantAdam(steps=N, nonfinite=None)",
+        "ours",
+        lambda steps: ka.InvariantAdam(steps=steps, nonfinite=None),
+    )
+)
 
 # Settings: name -> (jit_compile, replicas). "mirrored" runs in a subprocess.
 SETTINGS = {
@@ -302,7 +343,8 @@ def _bytes_per_parameter(optimizer, model):
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     total = sum(
         int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-        for v in optimizer.variables if len(v.shape) > 0
+        for v in optimizer.variables
+        if len(v.shape) > 0
     )
     return total / params, params
 
@@ -326,8 +368,11 @@ class FitRunner:
         rng = np.random.default_rng(config.seed)
         x = rng.standard_normal((n * b,) + input_shape).astype("float32")
         y = rng.integers(0, spec.num_classes, n * b).astype("int32")
-        dataset = (tf.data.Dataset.from_tensor_slices((x, y))
-                   .batch(n * b if big else b, drop_remainder=True).repeat())
+        dataset = (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .batch(n * b if big else b, drop_remainder=True)
+            .repeat()
+        )
         # One `call` = K micro-batches (K / N big batches), counted in units
         # of b examples.
         self.micro_batches_per_call = n * config.windows
@@ -353,20 +398,17 @@ class FitRunner:
             self.model.train_step = counted_train_step
             self.model.compile(
                 optimizer=contender.make_optimizer(n),
-                loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 jit_compile=jit_compile,
                 steps_per_execution=steps_per_execution,
             )
         # Warm-up through the real `fit`: builds the optimizer, traces.
-        self.model.fit(dataset, epochs=1, steps_per_epoch=steps_per_call,
-                       shuffle=False, verbose=0)
+        self.model.fit(dataset, epochs=1, steps_per_epoch=steps_per_call, shuffle=False, verbose=0)
         self.iterator = iter(strategy.experimental_distribute_dataset(dataset))
         for _ in range(config.warmup):
             self.call(1)
         self.warmup_traces = self.trace_count()
-        self.bytes_per_param, self.params = _bytes_per_parameter(
-            self.model.optimizer, self.model)
+        self.bytes_per_param, self.params = _bytes_per_parameter(self.model.optimizer, self.model)
 
     def call(self, calls):
         """Runs `calls` train-function calls; returns seconds and loss."""
@@ -381,8 +423,7 @@ class FitRunner:
         functions = _tf_functions(self.model.train_function)
         return {
             "train_step": self.traces,
-            "tf_functions": sum(
-                f.experimental_get_tracing_count() for f in functions),
+            "tf_functions": sum(f.experimental_get_tracing_count() for f in functions),
         }
 
 
@@ -409,22 +450,26 @@ def run_group(model_name, setting, config):
     for name in config.contenders:
         contender = CONTENDERS[name]
         row = rows[name] = {
-            "setting": setting, "model": model_name, "contender": name,
-            "label": contender.label, "role": contender.role,
+            "setting": setting,
+            "model": model_name,
+            "contender": name,
+            "label": contender.label,
+            "role": contender.role,
         }
         _log(f"{setting}/{model_name}: build + warm up {name}")
         try:
             runner_class = contender.runner or FitRunner
-            runner = runner_class(spec, contender, config, strategy,
-                                  jit_compile)
+            runner = runner_class(spec, contender, config, strategy, jit_compile)
         except Exception as error:  # Recorded, not fatal: e.g. keras#20582.
             row["error"] = f"{type(error).__name__}: {error}".split("\n")[0][:300]
             _log(f"{setting}/{model_name}: {name} failed: {row['error']}")
             continue
         runners[name] = runner
-        row.update(params=runner.params,
-                   bytes_per_param=runner.bytes_per_param,
-                   warmup_traces=runner.warmup_traces)
+        row.update(
+            params=runner.params,
+            bytes_per_param=runner.bytes_per_param,
+            warmup_traces=runner.warmup_traces,
+        )
     if not runners:
         return list(rows.values())
     # Calibrate: a sample lasts about min_sample_seconds for plain Adam (or
@@ -432,8 +477,10 @@ def run_group(model_name, setting, config):
     reference = runners.get("adam") or next(iter(runners.values()))
     one_call = min(reference.call(1)[0] for _ in range(2))
     calls = max(1, math.ceil(config.min_sample_seconds / one_call))
-    _log(f"{setting}/{model_name}: {calls} call(s) of "
-         f"{reference.micro_batches_per_call} micro-batches per sample")
+    _log(
+        f"{setting}/{model_name}: {calls} call(s) of "
+        f"{reference.micro_batches_per_call} micro-batches per sample"
+    )
     names = list(runners)
     for name in names:  # One untimed round: every contender warm.
         runners[name].call(calls)
@@ -445,18 +492,19 @@ def run_group(model_name, setting, config):
         for name in names[shift:] + names[:shift]:
             runner = runners[name]
             seconds, loss = runner.call(calls)
-            samples[name].append(
-                seconds / (calls * runner.micro_batches_per_call))
+            samples[name].append(seconds / (calls * runner.micro_batches_per_call))
             losses[name] = loss
-        _log(f"{setting}/{model_name}: round {round_index + 1}/"
-             f"{config.repeats}: " + ", ".join(
-                 f"{n} {1e3 * samples[n][-1]:.3f}" for n in names) + " ms")
+        _log(
+            f"{setting}/{model_name}: round {round_index + 1}/"
+            f"{config.repeats}: "
+            + ", ".join(f"{n} {1e3 * samples[n][-1]:.3f}" for n in names)
+            + " ms"
+        )
     for name, runner in runners.items():
         traces = runner.trace_count()
         rows[name].update(
             seconds_per_micro_batch=statistics.median(samples[name]),
-            examples_per_second=config.micro_batch
-            / statistics.median(samples[name]),
+            examples_per_second=config.micro_batch / statistics.median(samples[name]),
             samples=samples[name],
             calls_per_sample=calls,
             micro_batches_per_call=runner.micro_batches_per_call,
@@ -464,7 +512,8 @@ def run_group(model_name, setting, config):
             traces=traces,
             retraces=traces["train_step"]
             - runner.warmup_traces["train_step"]
-            + traces["tf_functions"] - runner.warmup_traces["tf_functions"],
+            + traces["tf_functions"]
+            - runner.warmup_traces["tf_functions"],
         )
     _add_ratios(rows, samples, config.steps)
     return list(rows.values())
@@ -511,8 +560,7 @@ def _memory_mb():
     try:
         with open("/proc/self/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return (int(fields["VmRSS"].split()[0]) / 1024.0,
-                int(fields["VmHWM"].split()[0]) / 1024.0)
+        return (int(fields["VmRSS"].split()[0]) / 1024.0, int(fields["VmHWM"].split()[0]) / 1024.0)
     except (OSError, KeyError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         return peak, peak
@@ -523,15 +571,14 @@ def measure_rss(model_name, contender_name, config):
     up (baseline), and the peak after warm-up and a few training calls."""
     spec = MODELS[model_name]
     keras.utils.set_random_seed(config.seed)
-    spec.build(config.quick)(
-        np.zeros((1,) + _input_shape(spec, config.quick), "float32"))
+    spec.build(config.quick)(np.zeros((1,) + _input_shape(spec, config.quick), "float32"))
     baseline, _ = _memory_mb()
-    runner = FitRunner(spec, CONTENDERS[contender_name], config,
-                       tf.distribute.get_strategy(), jit_compile=False)
+    runner = FitRunner(
+        spec, CONTENDERS[contender_name], config, tf.distribute.get_strategy(), jit_compile=False
+    )
     runner.call(2)
     _, peak = _memory_mb()
-    return {"baseline_mb": baseline, "peak_mb": peak,
-            "bytes_per_param": runner.bytes_per_param}
+    return {"baseline_mb": baseline, "peak_mb": peak, "bytes_per_param": runner.bytes_per_param}
 
 
 def measure_xla_copies(model_name, contender_name, config, dump_dir):
@@ -550,11 +597,12 @@ def measure_xla_copies(model_name, contender_name, config, dump_dir):
     import re
 
     spec = MODELS[model_name]
-    runner = FitRunner(spec, CONTENDERS[contender_name], config,
-                       tf.distribute.get_strategy(), jit_compile=True)
+    runner = FitRunner(
+        spec, CONTENDERS[contender_name], config, tf.distribute.get_strategy(), jit_compile=True
+    )
     files = sorted(
-        f for f in glob.glob(os.path.join(dump_dir, "*one_step_on_data*"
-                                          "after_optimizations.txt")))
+        f for f in glob.glob(os.path.join(dump_dir, "*one_step_on_data*after_optimizations.txt"))
+    )
     if not files:
         raise RuntimeError(f"No optimised HLO dumped under {dump_dir}.")
     counts = {"entry": 0, "branches": 0, "other": 0}
@@ -582,25 +630,25 @@ def _run_worker(task, config, timeout=3600, env_extra=None):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         task = dict(task, tmp=tmp)
-        payload = json.dumps({"task": task,
-                              "config": dataclasses.asdict(config),
-                              "out": out})
+        payload = json.dumps({"task": task, "config": dataclasses.asdict(config), "out": out})
         env = dict(os.environ)
         if task["kind"] == "xla_copies":
             # Read by XLA when it first compiles, in the child.
-            env["XLA_FLAGS"] = (f"--xla_dump_to={tmp}/hlo "
-                                "--xla_dump_hlo_as_text")
+            env["XLA_FLAGS"] = f"--xla_dump_to={tmp}/hlo --xla_dump_hlo_as_text"
         env.update(env_extra or {})
         package_root = os.path.dirname(os.path.dirname(ka.__file__))
         env["PYTHONPATH"] = os.pathsep.join(
-            [package_root] + [p for p in [env.get("PYTHONPATH")] if p])
+            [package_root] + [p for p in [env.get("PYTHONPATH")] if p]
+        )
         proc = subprocess.run(
-            [sys.executable, "-m", "keras_accum.bench", payload],
-            env=env, timeout=timeout, stdout=subprocess.PIPE, text=True,
+            [sys.executable, "-m", "keras_accum.experiments.bench", payload],
+            env=env,
+            timeout=timeout,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(
-                f"bench worker {task} failed with code {proc.returncode}")
+            raise RuntimeError(f"bench worker {task} failed with code {proc.returncode}")
         with open(out) as f:
             return json.load(f)
 
@@ -610,19 +658,25 @@ def _worker(payload):
     payload = json.loads(payload)
     task = payload["task"]
     known = {field.name for field in dataclasses.fields(BenchConfig)}
-    config = BenchConfig(**{
-        k: tuple(v) if isinstance(v, list) else v
-        for k, v in payload["config"].items() if k in known})
+    config = BenchConfig(
+        **{
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in payload["config"].items()
+            if k in known
+        }
+    )
     if task["kind"] == "group":
         replicas = SETTINGS[task["setting"]][1]
         # Logical CPUs must be configured before TensorFlow initialises.
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+            cpu, [tf.config.LogicalDeviceConfiguration()] * replicas
+        )
         result = run_group(task["model"], task["setting"], config)
     elif task["kind"] == "xla_copies":
-        result = measure_xla_copies(task["model"], task["contender"], config,
-                                    os.path.join(task["tmp"], "hlo"))
+        result = measure_xla_copies(
+            task["model"], task["contender"], config, os.path.join(task["tmp"], "hlo")
+        )
     else:
         result = measure_rss(task["model"], task["contender"], config)
     with open(payload["out"], "w") as f:
@@ -645,20 +699,17 @@ COST_MODEL = {
     # m += (g-m)(1-b1); v += (g^2-v)(1-b2); theta -= m alpha/(sqrt v + eps)
     "adam": {"fused": (28, 28, 0), "ops": (120, 120, 0)},
     # acc = g + acc; boundary: (g + acc)/N, Adam, acc = zeros.
-    "keras_accumulation": {"fused": (12, 12, 24),
-                           "ops": (20, 20, 152 - 20)},
+    "keras_accumulation": {"fused": (12, 12, 24), "ops": (20, 20, 152 - 20)},
     # check; acc = g (first) or acc += g; boundary: acc / W, inner Adam.
     "gradient_accumulation": {"fused": (8, 12, 28), "ops": (14, 18, 128)},
-    "gradient_accumulation_nocheck": {"fused": (8, 12, 28),
-                                      "ops": (8, 12, 128)},
+    "gradient_accumulation_nocheck": {"fused": (8, 12, 28), "ops": (8, 12, 128)},
     # check; g/N, g^2, g^2/N; m, v folded (first: Keras form, else +=);
     # boundary: theta -= alpha m / (sqrt v + eps).
     "invariant_adam": {"fused": (20, 20, 16), "ops": (94, 70, 48)},
     "invariant_adam_nocheck": {"fused": (20, 20, 16), "ops": (88, 64, 48)},
     # check; Adam moments; step = alpha m/(sqrt v + eps); A = step or
     # A += step; boundary: theta -= A.
-    "update_accumulation_adam": {"fused": (24, 28, 12),
-                                 "ops": (122, 126, 12)},
+    "update_accumulation_adam": {"fused": (24, 28, 12), "ops": (122, 126, 12)},
     # One Adam update per N micro-batches' worth of examples.
     "big_batch": {"fused": (0, 0, 28), "ops": (0, 0, 120)},
     # sum(g) into a scalar: one read of g.
@@ -693,41 +744,76 @@ def evaluate_targets(result):
         return None if value is None else value["median"]
 
     def add(name, row, value, threshold, met, note=""):
-        targets.append({
-            "target": name, "setting": row["setting"], "model": row["model"],
-            "contender": row["contender"], "value": value,
-            "threshold": threshold, "met": met, "note": note})
+        targets.append(
+            {
+                "target": name,
+                "setting": row["setting"],
+                "model": row["model"],
+                "contender": row["contender"],
+                "value": value,
+                "threshold": threshold,
+                "met": met,
+                "note": note,
+            }
+        )
 
     for row in rows:
         name = row["contender"]
-        keras_row = next((r for r in rows if r["role"] == "keras"
-                          and r["setting"] == row["setting"]
-                          and r["model"] == row["model"]), None)
+        keras_row = next(
+            (
+                r
+                for r in rows
+                if r["role"] == "keras"
+                and r["setting"] == row["setting"]
+                and r["model"] == row["model"]
+            ),
+            None,
+        )
         keras_error = (keras_row or {}).get("error", "not run")
         if name in ("gradient_accumulation", "invariant_adam"):
             value = ratio(row, "vs_keras_accumulation")
-            add(f"{name} / Keras accumulation <= 1.00", row, value, 1.0,
+            add(
+                f"{name} / Keras accumulation <= 1.00",
+                row,
+                value,
+                1.0,
                 None if value is None else value <= 1.0,
-                "" if value is not None else
-                row.get("error") or f"Keras accumulation: {keras_error}")
+                ""
+                if value is not None
+                else row.get("error") or f"Keras accumulation: {keras_error}",
+            )
         if name == "invariant_adam" and "bytes_per_param" in row:
             value = row["bytes_per_param"]
-            add("invariant_adam optimizer bytes / param == 8 (2 float32 "
-                "slots)", row, value, 8.0, value == 8.0)
+            add(
+                "invariant_adam optimizer bytes / param == 8 (2 float32 slots)",
+                row,
+                value,
+                8.0,
+                value == 8.0,
+            )
         if row["role"] == "ours":
             value = ratio(row, "vs_limit")
-            add(f"{name} / limit <= {LIMIT_TOLERANCE:.2f}", row, value,
+            add(
+                f"{name} / limit <= {LIMIT_TOLERANCE:.2f}",
+                row,
+                value,
                 LIMIT_TOLERANCE,
                 None if value is None else value <= LIMIT_TOLERANCE,
-                row.get("error", ""))
+                row.get("error", ""),
+            )
     groups = {}
     for row in rows:
         if "retraces" in row:
             groups.setdefault((row["setting"], row["model"]), []).append(row)
     for group in groups.values():
         value = sum(row["retraces"] for row in group)
-        add("no retracing after warm-up (all contenders)",
-            dict(group[0], contender="all"), value, 0, value == 0)
+        add(
+            "no retracing after warm-up (all contenders)",
+            dict(group[0], contender="all"),
+            value,
+            0,
+            value == 0,
+        )
     return targets
 
 
@@ -738,29 +824,44 @@ def _fmt_ratio(value):
 
 
 RATIO_COLUMNS = (
-    "setting", "model", "optimizer", "ms / micro-batch", "examples/s",
-    "vs Keras accumulation", "vs Adam", "vs big batch", "vs limit",
+    "setting",
+    "model",
+    "optimizer",
+    "ms / micro-batch",
+    "examples/s",
+    "vs Keras accumulation",
+    "vs Adam",
+    "vs big batch",
+    "vs limit",
     "retraces",
 )
 MEMORY_COLUMNS = (
-    "model", "optimizer", "optimizer bytes / param", "float32 slots",
-    "peak RSS MB", "RSS over baseline MB",
+    "model",
+    "optimizer",
+    "optimizer bytes / param",
+    "float32 slots",
+    "peak RSS MB",
+    "RSS over baseline MB",
 )
 COST_COLUMNS = (
-    "optimizer", "modelled bytes/param/micro-step, fused",
+    "optimizer",
+    "modelled bytes/param/micro-step, fused",
     "modelled bytes/param/micro-step, TF ops",
     "measured ns/param/micro-step beyond gradients_only",
     "implied GB/s (TF ops beyond gradients_only)",
 )
 TARGET_COLUMNS = ("target", "setting", "model", "measured", "met")
-COPY_COLUMNS = ("model", "optimizer",
-                "copied elements / params: every step (entry)",
-                "in conditional branches", "elsewhere (fusions, loops)")
+COPY_COLUMNS = (
+    "model",
+    "optimizer",
+    "copied elements / params: every step (entry)",
+    "in conditional branches",
+    "elsewhere (fusions, loops)",
+)
 
 
 def _table(columns, lines):
-    out = ["| " + " | ".join(columns) + " |",
-           "|" + "|".join("---" for _ in columns) + "|"]
+    out = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     out += ["| " + " | ".join(str(c) for c in line) + " |" for line in lines]
     return "\n".join(out)
 
@@ -771,9 +872,11 @@ def cost_rows(result, setting="graph"):
     steps = result["config"]["steps"]
     lines = []
     for model in result["config"]["models"]:
-        rows = {r["contender"]: r for r in result["rows"]
-                if r["setting"] == setting and r["model"] == model
-                and "seconds_per_micro_batch" in r}
+        rows = {
+            r["contender"]: r
+            for r in result["rows"]
+            if r["setting"] == setting and r["model"] == model and "seconds_per_micro_batch" in r
+        }
         base = rows.get("gradients_only")
         base_ops = modelled_bytes("gradients_only", steps, "ops")
         for name, row in rows.items():
@@ -788,11 +891,17 @@ def cost_rows(result, setting="graph"):
                 measured = 1e9 * seconds / row["params"]
                 if ops and seconds > 0:
                     # gradients_only already reads g once: compare the rest.
-                    implied = ((ops - base_ops) * row["params"] / seconds
-                               / 1e9)
-            lines.append({"model": model, "contender": name, "fused": fused,
-                          "ops": ops, "ns_per_param": measured,
-                          "implied_gb_s": implied})
+                    implied = (ops - base_ops) * row["params"] / seconds / 1e9
+            lines.append(
+                {
+                    "model": model,
+                    "contender": name,
+                    "fused": fused,
+                    "ops": ops,
+                    "ns_per_param": measured,
+                    "implied_gb_s": implied,
+                }
+            )
     return lines
 
 
@@ -827,30 +936,42 @@ def markdown(result, command=None):
     lines = []
     for row in result["rows"]:
         if "error" in row:
-            lines.append([row["setting"], row["model"], row["contender"],
-                          "failed: " + row["error"].replace("|", "/")[:120]]
-                         + ["-"] * (len(RATIO_COLUMNS) - 4))
+            lines.append(
+                [
+                    row["setting"],
+                    row["model"],
+                    row["contender"],
+                    "failed: " + row["error"].replace("|", "/")[:120],
+                ]
+                + ["-"] * (len(RATIO_COLUMNS) - 4)
+            )
             continue
         r = row["ratios"]
-        lines.append([
-            row["setting"], row["model"], row["contender"],
-            f"{1e3 * row['seconds_per_micro_batch']:.3f}",
-            f"{row['examples_per_second']:.0f}",
-            _fmt_ratio(r["vs_keras_accumulation"]), _fmt_ratio(r["vs_adam"]),
-            _fmt_ratio(r["vs_big_batch"]), _fmt_ratio(r["vs_limit"]),
-            row["retraces"],
-        ])
+        lines.append(
+            [
+                row["setting"],
+                row["model"],
+                row["contender"],
+                f"{1e3 * row['seconds_per_micro_batch']:.3f}",
+                f"{row['examples_per_second']:.0f}",
+                _fmt_ratio(r["vs_keras_accumulation"]),
+                _fmt_ratio(r["vs_adam"]),
+                _fmt_ratio(r["vs_big_batch"]),
+                _fmt_ratio(r["vs_limit"]),
+                row["retraces"],
+            ]
+        )
     parts += [_table(RATIO_COLUMNS, lines), "", "### Targets", ""]
     lines = []
     for t in result["targets"]:
         value = t["value"]
-        shown = "-" if value is None else (
-            f"{value:.3f}" if isinstance(value, float) else str(value))
+        shown = (
+            "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
+        )
         met = {True: "met", False: "**missed**", None: "n/a"}[t["met"]]
         if t["note"]:
             met += " (" + t["note"].replace("|", "/")[:80] + ")"
-        lines.append([t["target"].replace("|", "/"), t["setting"], t["model"],
-                      shown, met])
+        lines.append([t["target"].replace("|", "/"), t["setting"], t["model"], shown, met])
     parts += [_table(TARGET_COLUMNS, lines), "", "### Memory", ""]
     lines = []
     for row in result["rows"]:
@@ -858,21 +979,37 @@ def markdown(result, command=None):
             continue
         rss = row.get("rss") or {}
         peak = rss.get("peak_mb")
-        lines.append([
-            row["model"], row["contender"], f"{row['bytes_per_param']:.2f}",
-            f"{row['bytes_per_param'] / 4:.2f}",
-            "-" if peak is None else f"{peak:.0f}",
-            "-" if peak is None else f"{peak - rss['baseline_mb']:.0f}",
-        ])
-    parts += [_table(MEMORY_COLUMNS, lines), "",
-              "### Cost model beside the measurement (graph mode)", ""]
+        lines.append(
+            [
+                row["model"],
+                row["contender"],
+                f"{row['bytes_per_param']:.2f}",
+                f"{row['bytes_per_param'] / 4:.2f}",
+                "-" if peak is None else f"{peak:.0f}",
+                "-" if peak is None else f"{peak - rss['baseline_mb']:.0f}",
+            ]
+        )
+    parts += [
+        _table(MEMORY_COLUMNS, lines),
+        "",
+        "### Cost model beside the measurement (graph mode)",
+        "",
+    ]
     lines = []
     for c in cost_rows(result):
+
         def num(v, fmt):
             return "-" if v is None else format(v, fmt)
-        lines.append([f"{c['model']}: {c['contender']}", num(c["fused"], ".1f"),
-                      num(c["ops"], ".1f"), num(c["ns_per_param"], ".2f"),
-                      num(c["implied_gb_s"], ".1f")])
+
+        lines.append(
+            [
+                f"{c['model']}: {c['contender']}",
+                num(c["fused"], ".1f"),
+                num(c["ops"], ".1f"),
+                num(c["ns_per_param"], ".2f"),
+                num(c["implied_gb_s"], ".1f"),
+            ]
+        )
     parts += [_table(COST_COLUMNS, lines), ""]
     parts += _copies_section(result)
     return "\n".join(parts)
@@ -886,10 +1023,21 @@ def _copies_section(result):
         if "error" in c:
             lines.append([c["model"], c["contender"], "failed", "-", "-"])
             continue
-        lines.append([c["model"], c["contender"], f"{c['entry']:.2f}",
-                      f"{c['branches']:.2f}", f"{c.get('other', 0):.2f}"])
-    return ["### XLA copies in the compiled step (elements / parameters)", "",
-            _table(COPY_COLUMNS, lines), ""]
+        lines.append(
+            [
+                c["model"],
+                c["contender"],
+                f"{c['entry']:.2f}",
+                f"{c['branches']:.2f}",
+                f"{c.get('other', 0):.2f}",
+            ]
+        )
+    return [
+        "### XLA copies in the compiled step (elements / parameters)",
+        "",
+        _table(COPY_COLUMNS, lines),
+        "",
+    ]
 
 
 def write_outputs(result, directory, command=None):
@@ -902,16 +1050,13 @@ def write_outputs(result, directory, command=None):
     with open(os.path.join(directory, "results.json"), "w") as f:
         json.dump(dict(result, command=command), f, indent=1)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump({"command": command, "config": result["config"]}, f,
-                  indent=1)
+        json.dump({"command": command, "config": result["config"]}, f, indent=1)
     with open(os.path.join(directory, "samples.csv"), "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["setting", "model", "contender", "round",
-                         "seconds_per_micro_batch"])
+        writer.writerow(["setting", "model", "contender", "round", "seconds_per_micro_batch"])
         for row in result["rows"]:
             for i, value in enumerate(row.get("samples", ())):
-                writer.writerow([row["setting"], row["model"],
-                                 row["contender"], i, value])
+                writer.writerow([row["setting"], row["model"], row["contender"], i, value])
 
 
 def splice_markdown(path, section, text):
@@ -958,24 +1103,20 @@ def run(config=None):
     config = (config or BenchConfig()).resolved()
     for name in config.contenders:
         if name not in CONTENDERS:
-            raise ValueError(f"Unknown contender {name!r}. Known: "
-                             f"{', '.join(CONTENDERS)}")
+            raise ValueError(f"Unknown contender {name!r}. Known: {', '.join(CONTENDERS)}")
     for name in config.models:
         if name not in MODELS:
-            raise ValueError(f"Unknown model {name!r}. Known: "
-                             f"{', '.join(MODELS)}")
+            raise ValueError(f"Unknown model {name!r}. Known: {', '.join(MODELS)}")
     for name in config.settings:
         if name not in SETTINGS:
-            raise ValueError(f"Unknown setting {name!r}. Known: "
-                             f"{', '.join(SETTINGS)}")
+            raise ValueError(f"Unknown setting {name!r}. Known: {', '.join(SETTINGS)}")
     started = time.time()
     rows = []
     for setting in config.settings if config.timing else ():
         for model_name in config.models:
             _log(f"== {setting} / {model_name}")
             if SETTINGS[setting][1] > 1:
-                task = {"kind": "group", "setting": setting,
-                        "model": model_name}
+                task = {"kind": "group", "setting": setting, "model": model_name}
                 rows += _run_worker(task, config)
             else:
                 rows += run_group(model_name, setting, config)
@@ -988,10 +1129,10 @@ def run(config=None):
             row["rss"] = rss.get(f"{row['model']}/{row['contender']}")
     copies = []
     if config.xla_copies:
-        copies = [dict(found["result"], model=found["model"],
-                       contender=found["contender"])
-                  for found in _per_contender("xla_copies", "XLA copies",
-                                              config)]
+        copies = [
+            dict(found["result"], model=found["model"], contender=found["contender"])
+            for found in _per_contender("xla_copies", "XLA copies", config)
+        ]
     result = {
         "config": dataclasses.asdict(config),
         "machine": machine_info(),

@@ -2,7 +2,7 @@
 
 For trying multi-worker training on one machine:
 
-    python -m keras_accum.multiworker --num_workers 2 -- \\
+    python -m keras_accum.training.multiworker --num_workers 2 -- \\
         python my_train.py --workdir /tmp/run
 
 starts the command twice, each with a TF_CONFIG naming both workers on free
@@ -51,8 +51,9 @@ def free_ports(count, host="127.0.0.1"):
 
 def tf_config(addresses, index):
     """TF_CONFIG of worker `index` in a cluster of `addresses`."""
-    return json.dumps({"cluster": {"worker": list(addresses)},
-                       "task": {"type": "worker", "index": index}})
+    return json.dumps(
+        {"cluster": {"worker": list(addresses)}, "task": {"type": "worker", "index": index}}
+    )
 
 
 class LocalCluster:
@@ -69,15 +70,13 @@ class LocalCluster:
             failed before they are killed.
     """
 
-    def __init__(self, num_workers, argv, *, env=None, log_dir=None,
-                 grace_seconds=30.0):
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) \
-                or num_workers < 1:
-            raise ValueError("`num_workers` must be an integer >= 1. "
-                             f"Received: num_workers={num_workers!r}")
+    def __init__(self, num_workers, argv, *, env=None, log_dir=None, grace_seconds=30.0):
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(
+                f"`num_workers` must be an integer >= 1. Received: num_workers={num_workers!r}"
+            )
         if not argv or isinstance(argv, str):
-            raise ValueError("`argv` must be a non-empty list of strings. "
-                             f"Received: argv={argv!r}")
+            raise ValueError(f"`argv` must be a non-empty list of strings. Received: argv={argv!r}")
         self.num_workers, self.argv = num_workers, list(argv)
         self.env = dict(env or {})
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="keras_accum_workers")
@@ -95,11 +94,13 @@ class LocalCluster:
         os.makedirs(self.log_dir, exist_ok=True)
         addresses = [f"127.0.0.1:{p}" for p in free_ports(self.num_workers)]
         for index in range(self.num_workers):
-            env = dict(os.environ, **self.env, PYTHONUNBUFFERED="1",
-                       TF_CONFIG=tf_config(addresses, index))
+            env = dict(
+                os.environ, **self.env, PYTHONUNBUFFERED="1", TF_CONFIG=tf_config(addresses, index)
+            )
             with open(self.log_path(index), "w") as log:
-                self.processes.append(subprocess.Popen(
-                    self.argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+                self.processes.append(
+                    subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
         return self
 
     def kill(self, index, sig=signal.SIGKILL):
@@ -122,20 +123,23 @@ class LocalCluster:
                 self._kill_all()
                 raise WorkerFailedError(
                     f"The {self.num_workers} workers did not finish within "
-                    f"{timeout} s and were killed; logs in {self.log_dir}.")
+                    f"{timeout} s and were killed; logs in {self.log_dir}."
+                )
             time.sleep(0.1)
         codes = [p.returncode for p in self.processes]
         if first_failure is None and any(codes):
             # All had exited before we looked: a worker killed by a signal is
             # more likely the cause than one that exited with an error.
-            first_failure = min((i for i, c in enumerate(codes) if c),
-                                key=lambda i: (codes[i] >= 0, i))
+            first_failure = min(
+                (i for i, c in enumerate(codes) if c), key=lambda i: (codes[i] >= 0, i)
+            )
         if first_failure is not None:
             tail = self.log(first_failure)[-2000:]
             raise WorkerFailedError(
                 f"Worker {first_failure} failed with exit code "
                 f"{codes[first_failure]} (all exit codes: {codes}); logs in "
-                f"{self.log_dir}. Its log ends with:\n{tail}")
+                f"{self.log_dir}. Its log ends with:\n{tail}"
+            )
         return codes
 
     def _kill_all(self):
@@ -151,15 +155,17 @@ class LocalCluster:
         self._kill_all()
 
 
-def launch_local_workers(num_workers, argv, *, env=None, log_dir=None,
-                         timeout=None, grace_seconds=30.0):
+def launch_local_workers(
+    num_workers, argv, *, env=None, log_dir=None, timeout=None, grace_seconds=30.0
+):
     """Runs `argv` as `num_workers` local workers and waits for them.
 
     Returns the exit codes (all 0), or raises `WorkerFailedError`; see
     `LocalCluster` for the arguments.
     """
-    with LocalCluster(num_workers, argv, env=env, log_dir=log_dir,
-                      grace_seconds=grace_seconds) as cluster:
+    with LocalCluster(
+        num_workers, argv, env=env, log_dir=log_dir, grace_seconds=grace_seconds
+    ) as cluster:
         return cluster.wait(timeout)
 
 
@@ -175,9 +181,13 @@ def main(args=None):
     if command[:1] == ["--"]:
         command = command[1:]
     try:
-        launch_local_workers(flags.num_workers, command, log_dir=flags.log_dir,
-                             timeout=flags.timeout,
-                             grace_seconds=flags.grace_seconds)
+        launch_local_workers(
+            flags.num_workers,
+            command,
+            log_dir=flags.log_dir,
+            timeout=flags.timeout,
+            grace_seconds=flags.grace_seconds,
+        )
     except WorkerFailedError as error:
         print(error, file=sys.stderr)
         return 1

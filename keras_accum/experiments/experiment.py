@@ -31,13 +31,10 @@ import numpy as np
 import tensorflow as tf
 
 import keras_accum as ka
-from keras_accum import data
-from keras_accum import diagnostics
-from keras_accum import models
-from keras_accum import training
+from keras_accum import diagnostics, training
+from keras_accum.experiments import data, models
 
-OPTIMIZERS = ("invariant_adam", "update_accumulation_adam",
-              "gradient_accumulation")
+OPTIMIZERS = ("invariant_adam", "update_accumulation_adam", "gradient_accumulation")
 INNER_OPTIMIZERS = ("adam", "adamw", "sgd")
 STRATEGIES = ("default", "mirrored", "multi_worker")
 
@@ -75,27 +72,26 @@ def resolve_config(config):
     unknown = sorted(set(config) - set(DEFAULTS))
     if unknown:
         raise ValueError(
-            f"Unknown config key(s) {unknown}. Valid keys: "
-            f"{', '.join(sorted(DEFAULTS))}"
+            f"Unknown config key(s) {unknown}. Valid keys: {', '.join(sorted(DEFAULTS))}"
         )
     resolved = {**DEFAULTS, **config}
-    choices = {"optimizer": OPTIMIZERS, "inner_optimizer": INNER_OPTIMIZERS,
-               "strategy": STRATEGIES,
-               "scaling_rule": (None,) + ka.scaling.RULES,
-               "lr_schedule": ("constant", "cosine"),
-               "model": tuple(models.MODELS)}
+    choices = {
+        "optimizer": OPTIMIZERS,
+        "inner_optimizer": INNER_OPTIMIZERS,
+        "strategy": STRATEGIES,
+        "scaling_rule": (None,) + ka.scaling.RULES,
+        "lr_schedule": ("constant", "cosine"),
+        "model": tuple(models.MODELS),
+    }
     for key, valid in choices.items():
         if resolved[key] not in valid:
             raise ValueError(
-                f"`{key}` must be one of {list(valid)}. "
-                f"Received: {key}={resolved[key]!r}"
+                f"`{key}` must be one of {list(valid)}. Received: {key}={resolved[key]!r}"
             )
     for key in ("micro_batch_size", "steps", "epochs"):
         value = resolved[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"`{key}` must be an integer >= 1. Received: {key}={value!r}"
-            )
+            raise ValueError(f"`{key}` must be an integer >= 1. Received: {key}={value!r}")
     return resolved
 
 
@@ -112,24 +108,28 @@ def make_strategy(name):
 
 def make_optimizer(config, kappa, total_updates):
     """The configured optimizer, hyperparameters scaled to `kappa`."""
-    hyper = {k: config[k] for k in ("learning_rate", "beta_1", "beta_2",
-                                    "epsilon")}
+    hyper = {k: config[k] for k in ("learning_rate", "beta_1", "beta_2", "epsilon")}
     if config["scaling_rule"]:
         hyper = ka.scale_hyperparameters(kappa, config["scaling_rule"], **hyper)
     if config["lr_schedule"] == "cosine":
         hyper["learning_rate"] = keras.optimizers.schedules.CosineDecay(
-            hyper["learning_rate"], decay_steps=total_updates)
+            hyper["learning_rate"], decay_steps=total_updates
+        )
     steps, wd = config["steps"], config["weight_decay"]
     if config["optimizer"] == "invariant_adam":
         return ka.InvariantAdam(**hyper, steps=steps, weight_decay=wd)
     if config["optimizer"] == "update_accumulation_adam":
         return ka.UpdateAccumulationAdam(**hyper, steps=steps, weight_decay=wd)
     if config["inner_optimizer"] == "sgd":
-        inner = keras.optimizers.SGD(hyper["learning_rate"], momentum=hyper[
-            "beta_1"], weight_decay=wd)
+        inner = keras.optimizers.SGD(
+            hyper["learning_rate"], momentum=hyper["beta_1"], weight_decay=wd
+        )
     else:
-        inner_cls = (keras.optimizers.AdamW if config["inner_optimizer"] ==
-                     "adamw" else keras.optimizers.Adam)
+        inner_cls = (
+            keras.optimizers.AdamW
+            if config["inner_optimizer"] == "adamw"
+            else keras.optimizers.Adam
+        )
         kwargs = {} if wd is None else {"weight_decay": wd}
         inner = inner_cls(**hyper, **kwargs)
     return ka.GradientAccumulation(inner, steps=steps)
@@ -141,10 +141,10 @@ def training_stream(config, global_micro_batch, start_batch):
     A fresh stream with the same seed replays the same order, so skipping
     `start_batch` batches resumes exactly where a run stopped.
     """
-    examples = data.load(config["dataset"], "train",
-                         data_dir=config["data_dir"])
-    stream = examples.shuffle(examples.cardinality(), seed=config["seed"],
-                              reshuffle_each_iteration=True).repeat()
+    examples = data.load(config["dataset"], "train", data_dir=config["data_dir"])
+    stream = examples.shuffle(
+        examples.cardinality(), seed=config["seed"], reshuffle_each_iteration=True
+    ).repeat()
     stream = stream.batch(global_micro_batch, drop_remainder=True)
     return stream.skip(start_batch).prefetch(tf.data.AUTOTUNE)
 
@@ -158,8 +158,7 @@ class AccumulationLogger(keras.callbacks.Callback):
             optimizer = optimizer.inner_optimizer
         logs["learning_rate"] = float(np.asarray(optimizer.learning_rate))
         logs["updates"] = int(np.asarray(optimizer.iterations))
-        logs["skipped_micro_batches"] = int(
-            np.asarray(optimizer.skipped_micro_batches))
+        logs["skipped_micro_batches"] = int(np.asarray(optimizer.skipped_micro_batches))
 
 
 def latest_checkpoint(workdir):
@@ -178,12 +177,12 @@ def train_and_evaluate(config, workdir, resume=False):
     config_path = workdir / "config.json"
     if resume:
         if not config_path.exists():
-            raise FileNotFoundError(f"--resume: no run folder at {workdir} "
-                                    "(config.json missing).")
+            raise FileNotFoundError(f"--resume: no run folder at {workdir} (config.json missing).")
         saved = json.loads(config_path.read_text())
         if config is not None and resolve_config(config) != saved:
-            raise ValueError("--resume continues the folder's own config; "
-                             "drop the other config or overrides.")
+            raise ValueError(
+                "--resume continues the folder's own config; drop the other config or overrides."
+            )
         config = saved
     else:
         config = resolve_config(config)
@@ -196,7 +195,8 @@ def train_and_evaluate(config, workdir, resume=False):
         if workdir.exists() and any(workdir.iterdir()):
             raise FileExistsError(
                 f"workdir={str(workdir)!r} is not empty; pass --resume to "
-                "continue that run or choose a new folder.")
+                "continue that run or choose a new folder."
+            )
         workdir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
     replicas = strategy.num_replicas_in_sync
@@ -209,7 +209,8 @@ def train_and_evaluate(config, workdir, resume=False):
         raise ValueError(
             f"One window (micro_batch_size x steps x replicas = "
             f"{window_examples}) is larger than the training set "
-            f"({info.num_train_examples} examples).")
+            f"({info.num_train_examples} examples)."
+        )
     steps_per_epoch = windows_per_epoch * config["steps"]
 
     checkpoint, initial_epoch = latest_checkpoint(workdir)
@@ -220,39 +221,42 @@ def train_and_evaluate(config, workdir, resume=False):
             model_kwargs = dict(config["model_kwargs"])
             if info.vocab_size is not None:
                 model_kwargs.setdefault("vocab_size", info.vocab_size)
-            model = models.build_model(config["model"], info.input_shape,
-                                       info.num_classes, **model_kwargs)
+            model = models.build_model(
+                config["model"], info.input_shape, info.num_classes, **model_kwargs
+            )
             model.compile(
-                optimizer=make_optimizer(
-                    config, kappa, config["epochs"] * windows_per_epoch),
-                loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True),
+                optimizer=make_optimizer(config, kappa, config["epochs"] * windows_per_epoch),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 metrics=["accuracy"],
                 jit_compile=config["jit_compile"],
             )
 
     if config["strategy"] == "multi_worker":
-        return _train_custom_loop(config, workdir, strategy, model, info,
-                                  window_examples, kappa)
-    train = training_stream(config, global_micro_batch,
-                            initial_epoch * steps_per_epoch)
-    test = data.load(config["dataset"], "test", data_dir=config["data_dir"],
-                     batch_size=1000)
+        return _train_custom_loop(config, workdir, strategy, model, info, window_examples, kappa)
+    train = training_stream(config, global_micro_batch, initial_epoch * steps_per_epoch)
+    test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
     callbacks = [AccumulationLogger()]
     if config["noise_scale_every"]:
-        probe = data.load(config["dataset"], "train",
-                          data_dir=config["data_dir"],
-                          batch_size=config["micro_batch_size"] * kappa,
-                          shuffle_seed=config["seed"],
-                          drop_remainder=True).repeat()
-        callbacks.append(diagnostics.NoiseScaleCallback(
-            probe, micro_batch_size=config["micro_batch_size"], kappa=kappa,
-            every_n_batches=config["noise_scale_every"]))
+        probe = data.load(
+            config["dataset"],
+            "train",
+            data_dir=config["data_dir"],
+            batch_size=config["micro_batch_size"] * kappa,
+            shuffle_seed=config["seed"],
+            drop_remainder=True,
+        ).repeat()
+        callbacks.append(
+            diagnostics.NoiseScaleCallback(
+                probe,
+                micro_batch_size=config["micro_batch_size"],
+                kappa=kappa,
+                every_n_batches=config["noise_scale_every"],
+            )
+        )
     callbacks += [
         keras.callbacks.CSVLogger(str(workdir / "metrics.csv"), append=True),
         keras.callbacks.TensorBoard(str(workdir / "tensorboard")),
-        keras.callbacks.ModelCheckpoint(
-            str(workdir / "checkpoints" / "epoch_{epoch:03d}.keras")),
+        keras.callbacks.ModelCheckpoint(str(workdir / "checkpoints" / "epoch_{epoch:03d}.keras")),
     ]
     (workdir / "checkpoints").mkdir(exist_ok=True)
     verbose = config["verbose"]
@@ -260,10 +264,16 @@ def train_and_evaluate(config, workdir, resume=False):
         verbose = 2  # one line per epoch in logs instead of redrawn bars
     start = time.time()
     if initial_epoch < config["epochs"]:
-        model.fit(train, epochs=config["epochs"], initial_epoch=initial_epoch,
-                  steps_per_epoch=steps_per_epoch, validation_data=test,
-                  shuffle=False,  # the stream is shuffled, seeded
-                  callbacks=callbacks, verbose=verbose)
+        model.fit(
+            train,
+            epochs=config["epochs"],
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            validation_data=test,
+            shuffle=False,  # the stream is shuffled, seeded
+            callbacks=callbacks,
+            verbose=verbose,
+        )
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
     final = {
         "test_loss": float(test_loss),
@@ -278,28 +288,38 @@ def train_and_evaluate(config, workdir, resume=False):
     return final
 
 
-def _train_custom_loop(config, workdir, strategy, model, info,
-                       window_examples, kappa):
+def _train_custom_loop(config, workdir, strategy, model, info, window_examples, kappa):
     """The multi-worker path: keras_accum.training's compiled window step.
 
     Each global batch of the seeded stream is one whole window; the loop
     keeps its checkpoints, per-window log and summaries in workdir/loop and
     resumes from them by itself. Only the chief writes the run folder.
     """
-    train = data.load(config["dataset"], "train", data_dir=config["data_dir"],
-                      shuffle_seed=config["seed"], batch_size=window_examples,
-                      drop_remainder=True)
-    test = data.load(config["dataset"], "test", data_dir=config["data_dir"],
-                     batch_size=1000)
+    train = data.load(
+        config["dataset"],
+        "train",
+        data_dir=config["data_dir"],
+        shuffle_seed=config["seed"],
+        batch_size=window_examples,
+        drop_remainder=True,
+    )
+    test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
     start = time.time()
     history = training.train(
-        model, model.optimizer, model.loss, train, epochs=config["epochs"],
-        strategy=strategy, workdir=str(workdir / "loop"),
-        metrics=["accuracy"], eval_dataset=test,
-        verbose=1 if config["verbose"] else 0)
-    evaluation = training.Trainer(model, model.optimizer, model.loss,
-                                  strategy=strategy,
-                                  metrics=["accuracy"]).evaluate(test)
+        model,
+        model.optimizer,
+        model.loss,
+        train,
+        epochs=config["epochs"],
+        strategy=strategy,
+        workdir=str(workdir / "loop"),
+        metrics=["accuracy"],
+        eval_dataset=test,
+        verbose=1 if config["verbose"] else 0,
+    )
+    evaluation = training.Trainer(
+        model, model.optimizer, model.loss, strategy=strategy, metrics=["accuracy"]
+    ).evaluate(test)
     final = {
         "test_loss": float(evaluation["loss"]),
         "test_accuracy": float(evaluation["accuracy"]),
@@ -350,8 +370,7 @@ def plot_curves(metrics_csv, png):
     for ax, metric in zip(axes, ("loss", "accuracy")):
         for prefix, label in (("", "train"), ("val_", "test")):
             if prefix + metric in rows[0]:
-                ax.plot(epochs, [float(r[prefix + metric]) for r in rows],
-                        label=label)
+                ax.plot(epochs, [float(r[prefix + metric]) for r in rows], label=label)
         ax.set_xlabel("epoch")
         ax.set_title(metric)
         ax.legend()
@@ -375,4 +394,3 @@ def load_config_file(path, *args):
     if "get_config" not in namespace:
         raise ValueError(f"{path} defines no get_config().")
     return namespace["get_config"](*args)
-

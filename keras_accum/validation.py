@@ -1,0 +1,76 @@
+"""Argument checks shared by the library and its harness.
+
+Each raises a one-line `ValueError` that names the argument and echoes the
+value, in the Keras style:
+
+>>> check_int("steps", 0)
+Traceback (most recent call last):
+...
+ValueError: `steps` must be an integer >= 1. Received: steps=0
+>>> check_float("epsilon", 1e-7, minimum=0.0)
+1e-07
+>>> check_choice("rule", "linear", ("invariant", "sqrt", "power"))
+Traceback (most recent call last):
+...
+ValueError: `rule` must be one of 'invariant', 'sqrt', 'power'. Received: rule='linear'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    """`value` as an int >= `minimum` (bools refused), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
+    return int(value)
+
+
+def check_float(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    open_minimum: bool = False,
+    open_maximum: bool = False,
+) -> float:
+    """`value` as a finite float within the bounds, else ValueError.
+
+    The bounds are closed unless `open_minimum` / `open_maximum` is set.
+    """
+    low = "(" if open_minimum else "["
+    high = ")" if open_maximum else "]"
+    span = ""
+    if minimum is not None or maximum is not None:
+        lo = "-inf" if minimum is None else repr(minimum)
+        hi = "inf" if maximum is None else repr(maximum)
+        span = f" in {low}{lo}, {hi}{high}"
+    error = ValueError(f"`{name}` must be a finite number{span}. Received: {name}={value!r}")
+    if isinstance(value, bool):
+        raise error
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise error from None
+    if not math.isfinite(number):
+        raise error
+    if minimum is not None and (number < minimum or (open_minimum and number == minimum)):
+        raise error
+    if maximum is not None and (number > maximum or (open_maximum and number == maximum)):
+        raise error
+    return number
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
+    """`value` if it is one of `choices`, else ValueError listing them."""
+    choices = tuple(choices)
+    if value not in choices or isinstance(value, bool) and True not in choices:
+        raise ValueError(
+            f"`{name}` must be one of {', '.join(repr(c) for c in choices)}. "
+            f"Received: {name}={value!r}"
+        )
+    return value
