@@ -42,13 +42,16 @@ def check_float(
 
     The bounds are closed unless `open_minimum` / `open_maximum` is set.
     """
-    low = "(" if open_minimum else "["
-    high = ")" if open_maximum else "]"
-    span = ""
-    if minimum is not None or maximum is not None:
-        lo = "-inf" if minimum is None else repr(minimum)
-        hi = "inf" if maximum is None else repr(maximum)
-        span = f" in {low}{lo}, {hi}{high}"
+    if minimum is not None and maximum is not None:
+        low = "(" if open_minimum else "["
+        high = ")" if open_maximum else "]"
+        span = f" in {low}{minimum!r}, {maximum!r}{high}"
+    elif minimum is not None:
+        span = f" {'>' if open_minimum else '>='} {minimum!r}"
+    elif maximum is not None:
+        span = f" {'<' if open_maximum else '<='} {maximum!r}"
+    else:
+        span = ""
     error = ValueError(f"`{name}` must be a finite number{span}. Received: {name}={value!r}")
     if isinstance(value, bool):
         raise error
