@@ -18,6 +18,7 @@ ValueError: `rule` must be one of 'invariant', 'sqrt', 'power'. Received: rule='
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,12 +54,10 @@ def check_float(
     else:
         span = ""
     error = ValueError(f"`{name}` must be a finite number{span}. Received: {name}={value!r}")
-    if isinstance(value, bool):
+    # Numbers only: a string such as "1e-3" is a config mistake, not a float.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise error
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise error from None
+    number = float(value)
     if not math.isfinite(number):
         raise error
     if minimum is not None and (number < minimum or (open_minimum and number == minimum)):
