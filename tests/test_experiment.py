@@ -81,6 +81,19 @@ def test_resume_continues_exactly(data_dir, tmp_path):
     assert len((stopped / "metrics.csv").read_text().splitlines()) == 3
 
 
+def test_first_run_on_a_fresh_data_dir_equals_the_second(tmp_path):
+    # The first run prepares the dataset; that must not move the seed's
+    # random stream (initial weights, shuffles): both runs are bit-equal.
+    fresh = str(tmp_path / "tfds")
+    config = smoke(ROOT / "saved_configs/mnist1d_cnn_invariant.py", fresh, epochs=1)
+    experiment.train_and_evaluate(config, tmp_path / "first")
+    experiment.train_and_evaluate(config, tmp_path / "second")
+    a = keras.models.load_model(tmp_path / "first/checkpoints/epoch_001.keras")
+    b = keras.models.load_model(tmp_path / "second/checkpoints/epoch_001.keras")
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_unknown_config_key_lists_valid_ones():
     with pytest.raises(
         ValueError,

@@ -58,6 +58,9 @@ DEFAULTS = {
     "micro_batch_size": 32,
     "steps": 4,
     "epochs": 10,
+    # Fraction of the train split held out (its first examples, the same for
+    # every seed) to watch per epoch; 0 = watch the test split instead.
+    "validation_split": 0.0,
     "seed": 0,
     "strategy": "default",
     "mixed_precision": False,
@@ -135,18 +138,52 @@ def make_optimizer(config, kappa, total_updates):
     return ka.GradientAccumulation(inner, steps=steps)
 
 
-def training_stream(config, global_micro_batch, start_batch):
+def validation_examples(config, num_train_examples):
+    """How many train examples `validation_split` holds out."""
+    return int(round(config.get("validation_split", 0.0) * num_train_examples))
+
+
+def training_stream(config, global_micro_batch, start_batch, held_out=0):
     """Global micro-batches of an endless, seeded reshuffling stream.
 
     A fresh stream with the same seed replays the same order, so skipping
     `start_batch` batches resumes exactly where a run stopped.
     """
-    examples = data.load(config["dataset"], "train", data_dir=config["data_dir"])
+    examples = data.load(
+        config["dataset"], "train", data_dir=config["data_dir"], validation_examples=held_out
+    )
     stream = examples.shuffle(
         examples.cardinality(), seed=config["seed"], reshuffle_each_iteration=True
     ).repeat()
     stream = stream.batch(global_micro_batch, drop_remainder=True)
     return stream.skip(start_batch).prefetch(tf.data.AUTOTUNE)
+
+
+class SplitLabels(keras.callbacks.Callback):
+    """Names the per-epoch evaluation after the split it ran on.
+
+    Keras calls it `val_*` whatever it is; when the watched split is the
+    test split, the logs (and metrics.csv) say `test_*` instead.
+    """
+
+    def __init__(self, split):
+        super().__init__()
+        self.split = split
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.split == "test":
+            for key in [k for k in logs if k.startswith("val_")]:
+                logs["test_" + key[4:]] = logs.pop(key)
+
+
+class CSVLogger(keras.callbacks.CSVLogger):
+    """Keras's CSVLogger without the empty `val_*` columns it invents when
+    the first epoch's logs hold none (here the test split is `test_*`)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.keys is None:
+            self.keys = sorted(logs or {})
+        super().on_epoch_end(epoch, logs)
 
 
 class AccumulationLogger(keras.callbacks.Callback):
@@ -204,12 +241,13 @@ def train_and_evaluate(config, workdir, resume=False):
     info = data.dataset_info(config["dataset"], config["data_dir"])
     global_micro_batch = config["micro_batch_size"] * replicas
     window_examples = global_micro_batch * config["steps"]
-    windows_per_epoch = info.num_train_examples // window_examples
+    held_out = validation_examples(config, info.num_train_examples)
+    windows_per_epoch = (info.num_train_examples - held_out) // window_examples
     if windows_per_epoch < 1:
         raise ValueError(
             f"One window (micro_batch_size x steps x replicas = "
             f"{window_examples}) is larger than the training set "
-            f"({info.num_train_examples} examples)."
+            f"({info.num_train_examples - held_out} examples)."
         )
     steps_per_epoch = windows_per_epoch * config["steps"]
 
@@ -233,9 +271,19 @@ def train_and_evaluate(config, workdir, resume=False):
 
     if config["strategy"] == "multi_worker":
         return _train_custom_loop(config, workdir, strategy, model, info, window_examples, kappa)
-    train = training_stream(config, global_micro_batch, initial_epoch * steps_per_epoch)
+    train = training_stream(config, global_micro_batch, initial_epoch * steps_per_epoch, held_out)
     test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
-    callbacks = [AccumulationLogger()]
+    if held_out:
+        watched = data.load(
+            config["dataset"],
+            "validation",
+            data_dir=config["data_dir"],
+            batch_size=1000,
+            validation_examples=held_out,
+        )
+    else:
+        watched = test
+    callbacks = [AccumulationLogger(), SplitLabels("validation" if held_out else "test")]
     if config["noise_scale_every"]:
         probe = data.load(
             config["dataset"],
@@ -254,7 +302,7 @@ def train_and_evaluate(config, workdir, resume=False):
             )
         )
     callbacks += [
-        keras.callbacks.CSVLogger(str(workdir / "metrics.csv"), append=True),
+        CSVLogger(str(workdir / "metrics.csv"), append=True),
         keras.callbacks.TensorBoard(str(workdir / "tensorboard")),
         keras.callbacks.ModelCheckpoint(str(workdir / "checkpoints" / "epoch_{epoch:03d}.keras")),
     ]
@@ -269,7 +317,7 @@ def train_and_evaluate(config, workdir, resume=False):
             epochs=config["epochs"],
             initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch,
-            validation_data=test,
+            validation_data=watched,
             shuffle=False,  # the stream is shuffled, seeded
             callbacks=callbacks,
             verbose=verbose,
@@ -278,6 +326,7 @@ def train_and_evaluate(config, workdir, resume=False):
     final = {
         "test_loss": float(test_loss),
         "test_accuracy": float(test_accuracy),
+        **_validation_results(model, watched if held_out else None),
         "epochs": config["epochs"],
         "kappa": kappa,
         "updates": int(np.asarray(model.optimizer.iterations)),
@@ -286,6 +335,14 @@ def train_and_evaluate(config, workdir, resume=False):
     (workdir / "final.json").write_text(json.dumps(final, indent=2))
     plot_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
+
+
+def _validation_results(model, validation):
+    """Final loss and accuracy on the held-out part of train ({} if none)."""
+    if validation is None:
+        return {}
+    loss, accuracy = model.evaluate(validation, verbose=0)
+    return {"validation_loss": float(loss), "validation_accuracy": float(accuracy)}
 
 
 def _train_custom_loop(config, workdir, strategy, model, info, window_examples, kappa):
@@ -368,7 +425,7 @@ def plot_curves(metrics_csv, png):
     epochs = [int(r["epoch"]) + 1 for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("loss", "accuracy")):
-        for prefix, label in (("", "train"), ("val_", "test")):
+        for prefix, label in (("", "train"), ("val_", "validation"), ("test_", "test")):
             if prefix + metric in rows[0]:
                 ax.plot(epochs, [float(r[prefix + metric]) for r in rows], label=label)
         ax.set_xlabel("epoch")
