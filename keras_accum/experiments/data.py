@@ -118,7 +118,18 @@ def make_synthetic_tokens(split, seed=0):
 def builder(name, data_dir=None):
     """A prepared TFDS builder: `mnist1d` is prepared on demand, others must
     already be on disk (no download is ever attempted)."""
-    b = tfds.builder(name, data_dir=data_dir)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"`dataset` must be a dataset name. Received: dataset={name!r}")
+    try:
+        b = tfds.builder(name, data_dir=data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+        raise ValueError(
+            f"`dataset` must be {Mnist1d.name}, {SYNTHETIC_TOKENS} or a TFDS dataset name "
+            f"(`tfds build --help`). Received: dataset={name!r}"
+        ) from None
+    except ValueError as e:  # A malformed name: TFDS explains over many lines.
+        first = str(e).splitlines()[0]
+        raise ValueError(f"`dataset`: {first} Received: dataset={name!r}") from None
     if b.is_prepared():
         return b
     if name == Mnist1d.name:
