@@ -215,3 +215,19 @@ def test_script_runs_two_local_workers(data_dir, tmp_path):
     assert final["updates"] == 4000 // (25 * 4 * 2)
     rows = list(csv.DictReader(open(tmp_path / "run/metrics.csv")))
     assert len(rows) == 1 and float(rows[0]["loss"]) > 0
+
+
+def test_seeds_report_is_mean_and_sample_std_of_the_runs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("seeds", ROOT / "scripts/seeds.py")
+    seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seeds)
+    rows = [
+        {"seed": 0, "test_accuracy": 0.94, "validation_accuracy": 0.95, "wall": 60, "cpu": 50},
+        {"seed": 1, "test_accuracy": 0.96, "validation_accuracy": 0.97, "wall": 80, "cpu": 70},
+    ]
+    text = seeds.report(rows, "saved_configs/x.py", [1.0, 2.0])
+    # mean 95.0%, sample std sqrt(2 * 0.01^2 / 1) = 1.41 points.
+    assert "| **mean +- std** | **95.0% +- 1.4** | 96.0% +- 1.4 | 70 s (max 80) | 60 s |" in text
+    assert "| 1 | 96.0% | 97.0% | 80 s | 70 s |" in text
