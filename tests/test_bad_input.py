@@ -300,3 +300,86 @@ def test_script_subprocess_names_a_corrupt_config_json(finished_run, tmp_path):
     assert "Traceback" not in result.stderr
     assert result.stderr.rstrip().splitlines()[-1].startswith("error: ")
     assert "config.json" in result.stderr and "not valid JSON" in result.stderr
+
+
+# The mechanism itself, on a schema shaped like the invariance study's.
+STUDY = cfg.Schema(
+    "study",
+    [
+        cfg.Field("kappas", "list", [1, 2], "kappas", item=cfg.Field("", "int", 1, "", minimum=1)),
+        cfg.Field(
+            "methods",
+            "list",
+            ["invariant"],
+            "methods",
+            item=cfg.Field("", "str", "", "", choices=("invariant", "sqrt")),
+        ),
+        cfg.Field("lr", "float", 1e-3, "base lr", minimum=0.0, open_minimum=True),
+        cfg.Field("rule", "str", None, "rule", choices=(None, "invariant", "sqrt")),
+        cfg.Field("share", "bool", True, "share kappa = 1"),
+    ],
+)
+
+
+@pytest.mark.parametrize(
+    "config,words",
+    [
+        ({"kappas": []}, ["kappas=[]", "at least 1"]),
+        ({"kappas": "1,2"}, ["kappas='1,2'"]),
+        ({"kappas": [1, 0]}, ["kappas[1]=0", ">= 1"]),
+        ({"methods": ["power"]}, ["methods[0]='power'", "'sqrt'"]),
+        ({"share": "yes"}, ["share='yes'"]),
+        ([1, 2], ["must be a dict"]),
+    ],
+)
+def test_schema_refuses_in_one_line(config, words):
+    with pytest.raises(cfg.ConfigError) as info:
+        STUDY.resolve(config)
+    assert_one_line(str(info.value), *words)
+
+
+def test_schema_flags_parse_to_the_same_values():
+    from absl import flags
+
+    fv = flags.FlagValues()
+    STUDY.define_flags(fv)
+    fv(["prog", "--kappas=1,4", "--methods=sqrt", "--lr=0.01", "--rule=none", "--noshare"])
+    overrides = STUDY.flag_overrides(fv)
+    assert overrides == {
+        "kappas": [1, 4],
+        "methods": ["sqrt"],
+        "lr": 0.01,
+        "rule": None,
+        "share": False,
+    }
+    assert STUDY.resolve(overrides) == overrides
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--kappas=1,x"], ["kappas='x'"]),
+        (["--lr=-1"], ["lr=-1.0"]),
+        (["--rule=linear"], ["rule='linear'"]),
+    ],
+)
+def test_schema_flag_values_are_checked(argv, words):
+    from absl import flags
+
+    fv = flags.FlagValues()
+    STUDY.define_flags(fv)
+    fv(["prog", *argv])
+    with pytest.raises(cfg.ConfigError) as info:
+        STUDY.flag_overrides(fv)
+    assert_one_line(str(info.value), *words)
+
+
+def test_cross_field_check_error_is_one_config_error():
+    def window_fits(c):
+        if c["lr"] > 1:
+            raise ValueError(f"`lr` must be <= 1 for this study. Received: lr={c['lr']}")
+
+    schema = cfg.Schema("s", STUDY.fields.values(), [window_fits])
+    with pytest.raises(cfg.ConfigError) as info:
+        schema.resolve({"lr": 2.0})
+    assert_one_line(str(info.value), "lr=2.0")

@@ -39,7 +39,7 @@ from typing import Any
 
 from keras_accum import validation
 
-KINDS = ("int", "float", "bool", "str", "dict", "path")
+KINDS = ("int", "float", "bool", "str", "dict", "path", "list")
 
 
 class ConfigError(ValueError):
@@ -53,7 +53,18 @@ class Field:
     `kind` is one of KINDS ("path": a string naming a file or folder).
     Numbers may be bounded by `minimum` / `maximum` (closed unless
     `open_minimum` / `open_maximum`); `choices` lists the accepted values.
-    A default of None makes None an accepted value too.
+    A default of None makes None an accepted value too. A "list" holds at
+    least `minimum` (default 1) items, each checked by the Field `item`
+    (its name is not used); a flag spells it comma-separated:
+
+    >>> ks = Field("ks", "list", [1, 2], "kappas to compare",
+    ...            item=Field("", "int", 1, "", minimum=1))
+    >>> ks.parse("1,4,8")
+    [1, 4, 8]
+    >>> ks.check([1, 0])
+    Traceback (most recent call last):
+    ...
+    keras_accum.experiments.config.ConfigError: `ks[1]` must be an integer >= 1. Received: ks[1]=0
     """
 
     name: str
@@ -66,6 +77,7 @@ class Field:
     open_minimum: bool = False
     open_maximum: bool = False
     flag: bool = True  # Exposed as a script flag.
+    item: Field | None = None  # kind="list": the check of each item.
 
     def __post_init__(self):
         validation.check_choice("kind", self.kind, KINDS)
@@ -101,6 +113,8 @@ class Field:
                     message = str(e).rsplit(" Received:", 1)[0]
                     raise ValueError(f"{message} Received: {name}={value!r}") from None
             return validation.check_float(name, value, **self._bounds())
+        if self.kind == "list":
+            return self._check_list(value)
         if self.kind == "dict":
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
                 raise ValueError(
@@ -111,6 +125,22 @@ class Field:
             what = "a path" if self.kind == "path" else "a string"
             raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
         return value
+
+    def _check_list(self, value):
+        least = 1 if self.minimum is None else int(self.minimum)
+        listlike = isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
+        items = list(value) if listlike else None
+        if items is None or len(items) < least:
+            raise ValueError(
+                f"`{self.name}` must be a list of at least {least} item(s). "
+                f"Received: {self.name}={value!r}"
+            )
+        if self.item is None:
+            return items
+        return [
+            dataclasses.replace(self.item, name=f"{self.name}[{i}]").check(x)
+            for i, x in enumerate(items)
+        ]
 
     def _bounds(self):
         return {
@@ -135,6 +165,10 @@ class Field:
                 value = float(text)
             except ValueError:
                 pass
+        elif self.kind == "list":
+            item = self.item or Field(self.name, "str", "", "")
+            parts = [t.strip() for t in text.split(",") if t.strip()]
+            return self.check([dataclasses.replace(item, name=self.name).parse(t) for t in parts])
         elif self.kind == "dict":
             try:
                 value = json.loads(text)
