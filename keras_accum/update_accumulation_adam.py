@@ -70,66 +70,58 @@ class UpdateAccumulationAdam(base.AdamFamily):
             tf.distribute.ReduceOp.SUM,
             [(base.dense(g), v.value) for g, v in zip(grads, variables)],
         )
+        # Every replica now holds the same micro-step gradient: screen and
+        # clip it on each (each counts the skip of its own micro-batch).
+        reduced, ok = distribution.extended.call_for_each_replica(
+            self._prepare, args=(reduced, variables)
+        )
+        ok = (
+            None
+            if self.nonfinite in (None, "raise")
+            else distribution.experimental_local_results(ok)[0]
+        )
+        # t = micro-steps folded into the moments so far (a skip adds none)
+        t = self._moment_steps.assign_add(1 if ok is None else tf.cast(ok, "int64"))
+        learning_rate = self.learning_rate
+        for g, var in zip(reduced, variables):
+            distribution.extended.update(
+                var.value,
+                self._micro_update,
+                args=(g, learning_rate, t, start, ok),
+                group=False,
+            )
 
-        def step():
-            t = self._moment_steps.assign_add(1)
-            learning_rate = self.learning_rate
-            for g, var in zip(reduced, variables):
-                distribution.extended.update(
-                    var.value,
-                    self._micro_update,
-                    args=(g, learning_rate, t, start),
-                    group=False,
-                )
+    def _prepare(self, grads, variables):
+        grads = [tf.cast(g, v.dtype) for g, v in zip(grads, variables)]
+        grads, ok = self._screen(grads)
+        grads = self._clip_micro_batch(grads, 1)
+        return grads, (tf.constant(True) if ok is None else ok)
 
-        if self.nonfinite is None:
-            step()
-            return
-        local = [distribution.experimental_local_results(g)[0] for g in reduced]
-        if self.nonfinite == "raise":
-            with tf.control_dependencies(
-                [
-                    tf.debugging.check_numerics(
-                        g, f"{self.name}: non-finite gradient (nonfinite='raise')"
-                    )
-                    for g in local
-                ]
-            ):
-                step()
-            return
-
-        def skip():
-            # Every replica's micro-batch of this step is dropped.
-            def mark():
-                self._skipped_micro_batches.assign_add(1)
-                if self.nonfinite == "skip_window":
-                    self._window_bad.assign_add(1)
-
-            distribution.extended.call_for_each_replica(mark)
-
-        tf.cond(base.all_finite(local), step, skip)
-
-    def _micro_update(self, variable, gradient, learning_rate, t, start):
+    def _micro_update(self, variable, gradient, learning_rate, t, start, ok):
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
-        gradient = tf.cast(gradient, variable.dtype)
         lr = tf.cast(learning_rate, variable.dtype)
-        # alpha_t uses t = micro-steps folded into the moments so far.
-        alpha = self._adam_alpha(learning_rate, t, variable.dtype)
-        self.assign_add(m, (gradient - m) * (1 - self.beta_1))
-        self.assign_add(v, (tf.square(gradient) - v) * (1 - self.beta_2))
+        keep = None if ok is None else tf.cast(ok, variable.dtype)
+        # alpha_t uses t = micro-steps folded into the moments so far (>= 1,
+        # also before the first finite one).
+        alpha = self._adam_alpha(learning_rate, tf.maximum(t, 1), variable.dtype)
+        dm = (gradient - m) * (1 - self.beta_1)
+        dv = (tf.square(gradient) - v) * (1 - self.beta_2)
+        if keep is not None:  # a skipped micro-step leaves m and v as they are
+            dm, dv = dm * keep, dv * keep
+        self.assign_add(m, dm)
+        self.assign_add(v, dv)
         adam_step = (m * alpha) / (tf.sqrt(v) + self.epsilon)
+        if keep is not None:
+            adam_step = adam_step * keep
         if self._updates is None:
-            self._decay(variable, lr)
+            self._decay(variable, lr if keep is None else lr * keep)
             self.assign_sub(variable, adam_step)
             return
         update = self._updates[index]
-        # A = adam_step at the window's first micro-step, else A + adam_step
-        tf.cond(
-            start,
-            lambda: update.assign(adam_step),
-            lambda: update.assign_add(adam_step),
-        )
+        # A = step at the window's first micro-step (whatever came before,
+        # also when that micro-step is skipped), else A + step
+        update.assign(tf.where(start, adam_step, update + adam_step))
 
     def _update(self, distribution, variables, window):
         if self._updates is None:  # steps == 1: applied in the micro-step

@@ -9,6 +9,10 @@ Traceback (most recent call last):
 ValueError: `steps` must be an integer >= 1. Received: steps=0
 >>> check_float("epsilon", 1e-7, minimum=0.0)
 1e-07
+>>> check_rate("learning_rate", -0.1)
+Traceback (most recent call last):
+...
+ValueError: `learning_rate` must be a finite number in [0.0, inf]. Received: learning_rate=-0.1
 >>> check_choice("rule", "linear", ("invariant", "sqrt", "power"))
 Traceback (most recent call last):
 ...
@@ -73,4 +77,13 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
             f"`{name}` must be one of {', '.join(repr(c) for c in choices)}. "
             f"Received: {name}={value!r}"
         )
+    return value
+
+
+def check_rate(name: str, value: Any) -> Any:
+    """A learning rate or decay: a finite number >= 0, or a schedule,
+    callable, tensor or variable (checked where it is evaluated)."""
+    if callable(value) or (hasattr(value, "dtype") and hasattr(value, "shape")):
+        return value
+    check_float(name, value, minimum=0.0)
     return value
