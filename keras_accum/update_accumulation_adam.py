@@ -66,10 +66,7 @@ class UpdateAccumulationAdam(base.AdamFamily):
     def _accumulate(self, distribution, grads, variables, weight, start):
         # Moments are shared: reduce the gradient every micro-step (SUM of the
         # replicas' shares is the replica-mean gradient).
-        reduced = distribution.extended.batch_reduce_to(
-            tf.distribute.ReduceOp.SUM,
-            [(base.dense(g), v.value) for g, v in zip(grads, variables)],
-        )
+        reduced = self._reduce(distribution, grads, variables)
         # Every replica now holds the same micro-step gradient: screen and
         # clip it on each (each counts the skip of its own micro-batch).
         reduced, ok = distribution.extended.call_for_each_replica(
@@ -90,6 +87,22 @@ class UpdateAccumulationAdam(base.AdamFamily):
                 args=(g, learning_rate, t, start, ok),
                 group=False,
             )
+
+    def _reduce(self, distribution, grads, variables):
+        """SUM over replicas. A tensor that every replica handed in (not a
+        per-replica value) sums to replicas x itself."""
+        grads = [base.dense(g) for g in grads]
+        replicas = distribution.num_replicas_in_sync
+        split = [isinstance(g, tf.distribute.DistributedValues) for g in grads]
+        pairs = [(g, v.value) for g, v, s in zip(grads, variables, split) if s]
+        summed = iter(
+            distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+            if pairs
+            else []
+        )
+        return [
+            next(summed) if s else g * replicas if replicas > 1 else g for g, s in zip(grads, split)
+        ]
 
     def _prepare(self, grads, variables):
         grads = [tf.cast(g, v.dtype) for g, v in zip(grads, variables)]

@@ -118,3 +118,13 @@ class InvariantAdam(Adam):
         self.v = [self.b2 * v + (1 - self.b2) * s for v, s in zip(self.v, square)]
         step = [m / (np.sqrt(v) + self.eps) for m, v in zip(self.m, self.v)]
         return [p - self.alpha(self.t) * d for p, d in zip(self.decay(params), step)]
+
+
+class SGD:
+    """theta -= lr g."""
+
+    def __init__(self, lr):
+        self.lr = lr
+
+    def apply(self, params, grads):
+        return [p - self.lr * g for p, g in zip(params, grads)]

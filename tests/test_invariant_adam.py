@@ -100,3 +100,17 @@ def test_raise_policy():
     opt = ka.InvariantAdam(0.1, steps=2, nonfinite="raise")
     with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
         opt.apply([tf.constant([np.inf, 1.0])], [var])
+
+
+@pytest.mark.parametrize("skipped", [0, 2, 3])
+def test_skipped_first_micro_batch_of_a_window_is_a_zero_gradient(skipped):
+    var = keras.Variable(np.zeros(2, "float32"))
+    opt = ka.InvariantAdam(0.1, steps=3)
+    reference = references.InvariantAdam(0.1, 3)
+    theta = [np.zeros(2)]
+    for j in range(6):
+        g = np.full(2, np.inf if j == skipped else 1.0 + j)
+        opt.apply([tf.constant(g, "float32")], [var])
+        theta = reference.apply(theta, [g])
+    np.testing.assert_allclose(var.numpy(), theta[0], rtol=2e-5, atol=1e-6)
+    assert int(opt.skipped_micro_batches.numpy()) == 1

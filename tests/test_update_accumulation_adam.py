@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import references
 import tensorflow as tf
+from conftest import mirrored_strategy
 
 import keras_accum as ka
 
@@ -72,3 +73,44 @@ def test_skip_micro_batch_leaves_moments_untouched():
         np.testing.assert_array_equal(after.numpy(), before)
     assert int(opt.skipped_micro_batches.numpy()) == 1
     assert int(opt.iterations) == 1  # the window's one good step applied
+
+
+@pytest.mark.parametrize("skipped", [0, 1, 3, 4])
+def test_skipped_micro_batch_leaves_the_state_of_the_window_without_it(skipped):
+    # One parameter, g = 1 + micro-step index; micro-step `skipped` is NaN.
+    # Skipping the first of a window (0 or 4) must not leave the previous
+    # window's update A in place (a stale update).
+    var = keras.Variable(np.zeros(1, "float32"))
+    opt = ka.UpdateAccumulationAdam(0.1, steps=4)
+    reference = references.UpdateAccumulationAdam(0.1, 4)
+    theta = [np.zeros(1)]
+    for j in range(8):
+        g = np.array([np.nan if j == skipped else 1.0 + j])
+        opt.apply([tf.constant(g, "float32")], [var])
+        theta = reference.apply(theta, [g])
+        np.testing.assert_allclose(var.numpy(), theta[0], rtol=1e-5, atol=1e-6)
+    assert int(opt.skipped_micro_batches.numpy()) == 1
+    assert int(opt.iterations) == 2
+
+
+def test_same_gradient_tensor_from_every_replica():
+    # Each replica hands in the same tensor: it is each replica's share, so
+    # the micro-step gradient is replicas x g (what per-replica values give).
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        var = keras.Variable(np.zeros(3, "float32"))
+        opt = ka.UpdateAccumulationAdam(0.1, steps=2)
+        opt.build([var])
+    g = tf.constant([1.0, -2.0, 3.0])
+
+    @tf.function
+    def step():
+        strategy.run(lambda: opt.apply([g], [var]))
+
+    for _ in range(2):
+        step()
+    reference = references.UpdateAccumulationAdam(0.1, 2)
+    theta = [np.zeros(3)]
+    for _ in range(2):
+        theta = reference.apply(theta, [2 * g.numpy().astype("float64")])
+    np.testing.assert_allclose(var.numpy(), theta[0], rtol=1e-5, atol=1e-6)
