@@ -161,6 +161,29 @@ class AccumulationOptimizer(optimizers.Optimizer):
         self._track_variable(variable)
         return variable
 
+    def get_weights(self):
+        """Values of `variables`: the whole state, a wrapped optimizer's too."""
+        return [v.numpy() for v in self.variables]
+
+    def set_weights(self, weights):
+        """Sets every variable of `variables` (for `GradientAccumulation`
+        the inner optimizer's too), in the order `get_weights` returns."""
+        if not self.built:
+            raise ValueError("Build the optimizer before calling `set_weights()`.")
+        if len(weights) != len(self.variables):
+            raise ValueError(
+                f"`weights` must hold {len(self.variables)} arrays. "
+                f"Received: len(weights)={len(weights)}"
+            )
+        for variable, weight in zip(self.variables, weights):
+            if tuple(variable.shape) != tuple(np.shape(weight)):
+                raise ValueError(
+                    f"Optimizer variable {variable.path} has shape "
+                    f"{tuple(variable.shape)}. Received: weight shape "
+                    f"{tuple(np.shape(weight))}"
+                )
+            variable.assign(weight)
+
     # -- counters -----------------------------------------------------------
 
     @property

@@ -3,7 +3,6 @@
 import threading
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import optimizers, saving
 
@@ -216,25 +215,6 @@ class GradientAccumulation(base.AccumulationOptimizer):
     @property
     def variables(self):
         return self._variables + self.inner_optimizer.variables
-
-    def set_weights(self, weights):
-        """Sets the accumulation state then the inner optimizer's, in the
-        order of `variables` (what `get_weights` returns)."""
-        if not self.built:
-            raise ValueError("Build the optimizer before calling `set_weights()`.")
-        if len(weights) != len(self.variables):
-            raise ValueError(
-                f"`weights` must hold {len(self.variables)} arrays. "
-                f"Received: len(weights)={len(weights)}"
-            )
-        for variable, weight in zip(self.variables, weights):
-            if tuple(variable.shape) != tuple(np.shape(weight)):
-                raise ValueError(
-                    f"Optimizer variable {variable.path} has shape "
-                    f"{tuple(variable.shape)}. Received: weight shape "
-                    f"{tuple(np.shape(weight))}"
-                )
-            variable.assign(weight)
 
     @property
     def iterations(self):
