@@ -4,10 +4,11 @@ import tensorflow as tf
 from keras import saving
 
 from keras_accum import base
+from keras_accum.adam_family import AdamFamily
 
 
 @saving.register_keras_serializable(package="keras_accum")
-class InvariantAdam(base.AdamFamily):
+class InvariantAdam(AdamFamily):
     """Adam whose second moment averages *squared* micro-batch gradients.
 
     With kappa micro-batches per update (kappa = steps x replicas in sync)
@@ -44,6 +45,13 @@ class InvariantAdam(base.AdamFamily):
       zero gradient in its window's averages (the fold cannot renormalise
       without extra buffers); `"skip_window"` is therefore not offered.
     * `weight_decay` is decoupled (AdamW style), applied once per update.
+    * Keras's `clipnorm`, `clipvalue` and `global_clipnorm` clip each
+      micro-batch's gradient before it enters m and v (the global norm is
+      over that micro-batch's gradients on its replica); `use_ema` and
+      variable constraints act once per update; `loss_scale_factor`
+      unscales every micro-batch; `overwrite_with_gradient` variables take
+      the last micro-batch's gradient at the window's end. With `steps=1` on
+      one replica all of these equal `keras.optimizers.Adam`.
 
     Args:
         learning_rate: float, schedule (sees the update count) or callable.

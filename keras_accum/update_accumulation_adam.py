@@ -4,10 +4,11 @@ import tensorflow as tf
 from keras import saving
 
 from keras_accum import base
+from keras_accum.adam_family import AdamFamily
 
 
 @saving.register_keras_serializable(package="keras_accum")
-class UpdateAccumulationAdam(base.AdamFamily):
+class UpdateAccumulationAdam(AdamFamily):
     """Adam whose moments see every micro-batch; parameters move every N.
 
     For every micro-step t (t counts micro-batches whose gradient was used;
@@ -34,7 +35,11 @@ class UpdateAccumulationAdam(base.AdamFamily):
     `nonfinite="skip_micro_batch"` leaves a non-finite micro-step out of the
     moments (on all replicas, since they share them); `"skip_window"` also
     drops the window's accumulated update A. `weight_decay` is decoupled and
-    applied once per update.
+    applied once per update. Keras's `clipnorm`, `clipvalue` and
+    `global_clipnorm` clip each micro-step gradient (Adam runs per
+    micro-step); `use_ema` and variable constraints act once per update;
+    `overwrite_with_gradient` variables take the last micro-batch's gradient
+    at the window's end.
 
     Args:
         learning_rate: float, schedule (sees the update count) or callable.
