@@ -12,6 +12,18 @@ from keras_accum import base
 # by `weigh_micro_batches`. MirroredStrategy traces each replica on its own
 # thread, so this is each replica's own count.
 _fit_items = threading.local()
+# The same by replica id, while a weighed `train_step` is traced: a
+# `LossScaleOptimizer` around us calls `apply` from threads of its own.
+_fit_items_by_replica = {}
+
+
+def _replica_id():
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return None
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    return None if replica is None else int(replica)
+
 
 ReplicaItems = base.ReplicaItems
 
@@ -111,6 +123,7 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
         if getattr(_fit_items, "active", False):
             _fit_items.value = loss_denominator(reduction, x, y_pred, sample_weight)
+            _fit_items_by_replica[_replica_id()] = _fit_items.value
         if pass_training:
             return original_loss(x, y, y_pred, sample_weight, training=training)
         return original_loss(x, y, y_pred, sample_weight)
@@ -121,6 +134,7 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
             return original_step(data)
         finally:
             _fit_items.active, _fit_items.value = False, None
+            _fit_items_by_replica.pop(_replica_id(), None)
 
     model.compute_loss = compute_loss
     model.train_step = train_step
@@ -236,6 +250,8 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
     def apply(self, grads, trainable_variables=None, weight=None):
         items = getattr(_fit_items, "value", None)
+        if items is None:
+            items = _fit_items_by_replica.get(_replica_id())
         if weight is None and items is not None:
             weight = ReplicaItems(items)
         super().apply(grads, trainable_variables, weight=weight)

@@ -98,7 +98,12 @@ def test_fit_two_replicas_equals_the_big_batch(big_batch):
     assert max_difference(model, big_batch) < 2e-6
 
 
-def test_fit_mixed_float16_with_global_clipnorm():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fit_mixed_float16_with_global_clipnorm(replicas):
+    # Two replicas: the loss scaler calls us from threads of its own.
+    strategy = mirrored_strategy() if replicas == 2 else None
+    steps, batch = (4, 4) if replicas == 1 else (2, 8)
+
     def sgd():
         return keras.optimizers.SGD(1.0, global_clipnorm=0.5)
 
@@ -107,13 +112,13 @@ def test_fit_mixed_float16_with_global_clipnorm():
         # enough that the first step does not overflow float16 and is kept.
         return lambda: keras.optimizers.LossScaleOptimizer(optimizer(), initial_scale=16.0)
 
-    accumulate = scaled(lambda: ka.GradientAccumulation(sgd(), steps=4))
+    accumulate = scaled(lambda: ka.GradientAccumulation(sgd(), steps=steps))
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         start = language_model(one_hot=True).get_weights()
         reference = fit(scaled(sgd), ITEMS, one_hot=True)
-        model = fit(accumulate, 4, one_hot=True)
-        unweighted = fit(accumulate, 4, weigh=False, one_hot=True)
+        model = fit(accumulate, batch, strategy=strategy, one_hot=True)
+        unweighted = fit(accumulate, batch, weigh=False, strategy=strategy, one_hot=True)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
