@@ -33,6 +33,7 @@ import tensorflow as tf
 import keras_accum as ka
 from keras_accum import diagnostics, training
 from keras_accum.experiments import data, models
+from keras_accum.training import fit
 
 OPTIMIZERS = ("invariant_adam", "update_accumulation_adam", "gradient_accumulation")
 INNER_OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -162,8 +163,10 @@ class AccumulationLogger(keras.callbacks.Callback):
 
 
 def latest_checkpoint(workdir):
-    found = sorted(pathlib.Path(workdir, "checkpoints").glob("epoch_*.keras"))
-    return (found[-1], int(found[-1].stem.split("_")[1])) if found else (None, 0)
+    """(path, epochs done) of the newest intact epoch checkpoint of the run
+    folder, or (None, 0); see `keras_accum.training.fit.find_resume`."""
+    point = fit.find_resume(pathlib.Path(workdir, "checkpoints"))
+    return (pathlib.Path(point.path), point.epoch) if point else (None, 0)
 
 
 def train_and_evaluate(config, workdir, resume=False):
@@ -213,10 +216,13 @@ def train_and_evaluate(config, workdir, resume=False):
         )
     steps_per_epoch = windows_per_epoch * config["steps"]
 
-    checkpoint, initial_epoch = latest_checkpoint(workdir)
+    point = fit.find_resume(workdir / "checkpoints") if resume else None
+    initial_epoch = point.epoch if point else 0
     with strategy.scope():
-        if resume and checkpoint is not None:
-            model = keras.models.load_model(checkpoint)
+        if point is not None:
+            if training.is_chief(strategy):
+                print(f"Resuming from {point.path} ({point.epoch} epochs done)", flush=True)
+            model = fit.load_resume(point)
         else:
             model_kwargs = dict(config["model_kwargs"])
             if info.vocab_size is not None:
@@ -255,9 +261,9 @@ def train_and_evaluate(config, workdir, resume=False):
         )
     callbacks += [
         keras.callbacks.CSVLogger(str(workdir / "metrics.csv"), append=True),
-        keras.callbacks.TensorBoard(str(workdir / "tensorboard")),
-        keras.callbacks.ModelCheckpoint(str(workdir / "checkpoints" / "epoch_{epoch:03d}.keras")),
+        fit.FlushingTensorBoard(str(workdir / "tensorboard")),
     ]
+    callbacks += _resumable(callbacks, workdir, point, resume)
     (workdir / "checkpoints").mkdir(exist_ok=True)
     verbose = config["verbose"]
     if verbose == 1 and not sys.stdout.isatty():
@@ -286,6 +292,23 @@ def train_and_evaluate(config, workdir, resume=False):
     (workdir / "final.json").write_text(json.dumps(final, indent=2))
     plot_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
+
+
+def _resumable(callbacks, workdir, point, resume):
+    """Checkpointing for the fit path: on resume, the stateful callbacks get
+    their saved state and the logs rewind to the checkpoint; returns the
+    checkpoint callback to run after the loggers."""
+    stateful = [c for c in callbacks if hasattr(c, "get_state")]
+    if resume:
+        if point is not None:
+            fit.restore_state(point, stateful)
+        tensorboard = [workdir / "tensorboard" / name for name in ("train", "validation")]
+        fit.rewind_logs(workdir / "metrics.csv", tensorboard, point.epoch if point else 0)
+    return [
+        fit.EpochCheckpoint(
+            workdir / "checkpoints", stateful=stateful, sync=[workdir / "metrics.csv"]
+        )
+    ]
 
 
 def _train_custom_loop(config, workdir, strategy, model, info, window_examples, kappa):
