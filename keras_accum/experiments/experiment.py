@@ -33,7 +33,7 @@ import tensorflow as tf
 import keras_accum as ka
 from keras_accum import diagnostics, training
 from keras_accum.experiments import data, models
-from keras_accum.training import fit
+from keras_accum.training import checkpoints, fit
 
 OPTIMIZERS = ("invariant_adam", "update_accumulation_adam", "gradient_accumulation")
 INNER_OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -328,6 +328,26 @@ def _train_custom_loop(config, workdir, strategy, model, info, window_examples, 
     )
     test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
     start = time.time()
+    resume_hint = f"python scripts/train.py --workdir {workdir} --resume"
+    with training.distribute.peer_errors(resume_hint):
+        history, evaluation = _loop_and_evaluate(config, workdir, strategy, model, train, test)
+    final = {
+        "test_loss": float(evaluation["loss"]),
+        "test_accuracy": float(evaluation["accuracy"]),
+        "epochs": config["epochs"],
+        "kappa": kappa,
+        "updates": int(np.asarray(model.optimizer.iterations)),
+        "train_seconds_this_session": round(time.time() - start, 1),
+    }
+    if training.is_chief(strategy):
+        _write_metrics(workdir / "metrics.csv", history)
+        (workdir / "final.json").write_text(json.dumps(final, indent=2))
+        plot_curves(workdir / "metrics.csv", workdir / "curves.png")
+    return final
+
+
+def _loop_and_evaluate(config, workdir, strategy, model, train, test):
+    """`training.train` on the seeded stream, then the test evaluation."""
     history = training.train(
         model,
         model.optimizer,
@@ -338,42 +358,28 @@ def _train_custom_loop(config, workdir, strategy, model, info, window_examples, 
         workdir=str(workdir / "loop"),
         metrics=["accuracy"],
         eval_dataset=test,
+        resume_hint=f"python scripts/train.py --workdir {workdir} --resume",
         verbose=1 if config["verbose"] else 0,
     )
     evaluation = training.Trainer(
         model, model.optimizer, model.loss, strategy=strategy, metrics=["accuracy"]
     ).evaluate(test)
-    final = {
-        "test_loss": float(evaluation["loss"]),
-        "test_accuracy": float(evaluation["accuracy"]),
-        "epochs": config["epochs"],
-        "kappa": kappa,
-        "updates": int(np.asarray(model.optimizer.iterations)),
-        "train_seconds_this_session": round(time.time() - start, 1),
-    }
-    if training.is_chief(strategy):
-        _append_metrics(workdir / "metrics.csv", history)
-        (workdir / "final.json").write_text(json.dumps(final, indent=2))
-        plot_curves(workdir / "metrics.csv", workdir / "curves.png")
-    return final
+    return history, evaluation
 
 
-def _append_metrics(metrics_csv, history):
-    """Per-epoch means from `training.train` as CSV rows (epoch from 0)."""
+def _write_metrics(metrics_csv, history):
+    """Per-epoch means from `training.train` (all epochs, also across a
+    resume) as CSV rows, epoch from 0; written atomically."""
     import csv
+    import io
 
     keys = sorted(history)
-    epochs = len(history.get("loss", []))
-    done = 0
-    if metrics_csv.exists():
-        with open(metrics_csv) as f:
-            done = max(0, sum(1 for _ in f) - 1)
-    with open(metrics_csv, "a", newline="") as f:
-        writer = csv.writer(f)
-        if not done:
-            writer.writerow(["epoch"] + keys)
-        for e in range(epochs):
-            writer.writerow([done + e] + [history[k][e] for k in keys])
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["epoch"] + keys)
+    for e in range(len(history.get("loss", []))):
+        writer.writerow([e] + [history[k][e] for k in keys])
+    checkpoints.atomic_write_text(str(metrics_csv), text.getvalue())
 
 
 def plot_curves(metrics_csv, png):
