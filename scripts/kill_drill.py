@@ -149,7 +149,10 @@ def scalars(workdir):
                     continue
                 number = value.simple_value
                 if value.HasField("tensor"):
-                    number = float(tf.make_ndarray(value.tensor))
+                    array = tf.make_ndarray(value.tensor)
+                    if array.size != 1 or array.dtype.kind not in "fiub":
+                        continue  # not a scalar (e.g. the model's config as text)
+                    number = float(array)
                 found.append((folder, value.tag, event.step, number))
     return sorted(found)
 
@@ -181,12 +184,25 @@ def compare(reference, trial):
 # -- the drill ----------------------------------------------------------------------
 
 
+def prepare(config, data_dir):
+    """Prepares the dataset first, so that the reference run is not the one
+    run that also prepares data (data preparation is not part of the drill)."""
+    sys.path.insert(0, str(ROOT))
+    from keras_accum.experiments import data, experiment
+
+    name = experiment.load_config_file(str(ROOT / config)).get("dataset", "mnist1d")
+    data.load(name, "train", data_dir=data_dir)
+
+
 def trial(path, kind, index, root, data_dir, epochs, config, rng, duration, timeout):
     workdir = root / path / f"{kind}_{index}"
     args = run_args(path, workdir, data_dir, epochs, config)
-    if kind == "write":
-        # The hook kills the process inside its n-th checkpoint write.
-        hook = f"kill:{rng.randint(1, epochs)}"
+    if kind == "write" or isinstance(kind, int):
+        # The hook kills the process inside its n-th atomic write (n random
+        # unless given): the loop writes config.json then a checkpoint per
+        # epoch, the fit paths a checkpoint per epoch.
+        writes = epochs + 1 if path == "loop" else epochs
+        hook = f"kill:{kind if isinstance(kind, int) else rng.randint(1, writes)}"
         code, _ = finish(launch(path, args, hook), timeout)
         what = f"{hook} (exit {code})"
     else:
@@ -203,9 +219,11 @@ def trial(path, kind, index, root, data_dir, epochs, config, rng, duration, time
 
 
 def drill(paths, random_kills, write_kills, epochs, config, root, data_dir, seed, timeout):
-    """Runs the drill; returns the table rows (dicts)."""
+    """Runs the drill; returns the table rows (dicts). `write_kills` is a
+    count of random write kills or a list of write numbers to kill in."""
     rng = random.Random(seed)
     rows = []
+    prepare(config, data_dir)
     for path in paths:
         reference = root / path / "reference"
         shutil.rmtree(reference, ignore_errors=True)
@@ -216,7 +234,8 @@ def drill(paths, random_kills, write_kills, epochs, config, root, data_dir, seed
         if code:
             raise RuntimeError(f"{path}: the reference run failed:\n{out[-3000:]}")
         duration = time.monotonic() - start
-        kinds = ["random"] * random_kills + ["write"] * write_kills
+        kinds = ["random"] * random_kills
+        kinds += list(write_kills) if isinstance(write_kills, list) else ["write"] * write_kills
         for index, kind in enumerate(kinds):
             what, messages, result = trial(
                 path, kind, index, root, data_dir, epochs, config, rng, duration, timeout
