@@ -249,7 +249,6 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         self.tracker = GradientNoiseScale(ema)
         self._rng = np.random.default_rng(seed)
         n = self.kappa * self.micro_batch_size
-        self._data = data
         if isinstance(data, tf.data.Dataset):
             self._arrays, self._iterator = None, iter(data.repeat())
         else:
@@ -338,13 +337,14 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         }
 
     def set_state(self, state):
-        """Restores `get_state()`; a dataset is replayed past the probes
-        already drawn."""
+        """Restores `get_state()` into a fresh callback; its dataset
+        iterator is advanced past the probes already drawn (a new iterator
+        of a reshuffling dataset could see another order)."""
         self._seen = int(state["seen"])
         self.tracker.updates.assign(state["updates"])
         self.tracker.trace_sigma_acc.assign(state["trace_sigma_acc"])
         self.tracker.g2_acc.assign(state["g2_acc"])
         self._rng.bit_generator.state = state["rng"]
         if self._arrays is None:
-            probes = self._seen // self.every_n_batches
-            self._iterator = iter(self._data.repeat().skip(probes))
+            for _ in range(self._seen // self.every_n_batches):
+                next(self._iterator)

@@ -630,11 +630,20 @@ def test_logs_rewind_to_the_checkpoint(tmp_path):
     assert values == [(0, 0.0), (1, 1.0), (2, 2.0), (0, 10.0)]
 
 
-def test_noise_scale_callback_state_round_trip():
+@pytest.mark.parametrize("source", ["arrays", "reshuffled dataset"])
+def test_noise_scale_callback_state_round_trip(source):
+    # A fresh callback given the state after one probe makes the same
+    # second probe as the callback that ran on.
     from keras_accum import diagnostics
 
     x, y = data(items=16)
-    callbacks = [diagnostics.NoiseScaleCallback((x, y), 4, 2, 1, seed=3) for _ in range(2)]
+
+    def probe_data():
+        if source == "arrays":
+            return (x, y)
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(16, seed=1).batch(8)
+
+    callbacks = [diagnostics.NoiseScaleCallback(probe_data(), 4, 2, 1, seed=3) for _ in range(2)]
     for callback in callbacks:
         callback.set_model(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
         callback.model.compile(loss="mse")
