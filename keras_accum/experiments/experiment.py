@@ -40,6 +40,7 @@ from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config
     resolve_config,
     validation_examples,
 )
+from keras_accum.training import checkpoints, fit
 
 
 def make_strategy(name):
@@ -127,8 +128,10 @@ class AccumulationLogger(keras.callbacks.Callback):
 
 
 def latest_checkpoint(workdir):
-    found = sorted(pathlib.Path(workdir, "checkpoints").glob("epoch_*.keras"))
-    return (found[-1], int(found[-1].stem.split("_")[1])) if found else (None, 0)
+    """(path, epochs done) of the newest intact epoch checkpoint of the run
+    folder, or (None, 0); see `keras_accum.training.fit.find_resume`."""
+    point = fit.find_resume(pathlib.Path(workdir, "checkpoints"))
+    return (pathlib.Path(point.path), point.epoch) if point else (None, 0)
 
 
 def train_and_evaluate(config, workdir, resume=False):
@@ -150,10 +153,13 @@ def train_and_evaluate(config, workdir, resume=False):
     window_examples = global_micro_batch * config["steps"]
     steps_per_epoch = windows_per_epoch * config["steps"]
 
-    checkpoint, initial_epoch = latest_checkpoint(workdir)
+    point = fit.find_resume(workdir / "checkpoints") if resume else None
+    initial_epoch = point.epoch if point else 0
     with strategy.scope():
-        if resume and checkpoint is not None:
-            model = keras.models.load_model(checkpoint)
+        if point is not None:
+            if training.is_chief(strategy):
+                print(f"Resuming from {point.path} ({point.epoch} epochs done)", flush=True)
+            model = fit.load_resume(point)
         else:
             model = _build_model(config, info, kappa, config["epochs"] * windows_per_epoch)
     if config["strategy"] == "multi_worker":
@@ -168,9 +174,10 @@ def train_and_evaluate(config, workdir, resume=False):
         SplitLabels("validation" if held_out else "test"),
         *_noise_scale_callbacks(config, kappa, held_out),
         CSVLogger(str(workdir / "metrics.csv"), append=True),
-        keras.callbacks.TensorBoard(str(workdir / "tensorboard")),
-        keras.callbacks.ModelCheckpoint(str(workdir / "checkpoints" / "epoch_{epoch:03d}.keras")),
+        fit.FlushingTensorBoard(str(workdir / "tensorboard")),
     ]
+    callbacks += _resumable(callbacks, workdir, point, resume)
+    (workdir / "checkpoints").mkdir(exist_ok=True)
     verbose = config["verbose"]
     if verbose == 1 and not sys.stdout.isatty():
         verbose = 2  # one line per epoch in logs instead of redrawn bars
@@ -199,6 +206,23 @@ def train_and_evaluate(config, workdir, resume=False):
     (workdir / "final.json").write_text(json.dumps(final, indent=2))
     plot_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
+
+
+def _resumable(callbacks, workdir, point, resume):
+    """Checkpointing for the fit path: on resume, the stateful callbacks get
+    their saved state and the logs rewind to the checkpoint; returns the
+    checkpoint callback to run after the loggers."""
+    stateful = [c for c in callbacks if hasattr(c, "get_state")]
+    if resume:
+        if point is not None:
+            fit.restore_state(point, stateful)
+        tensorboard = [workdir / "tensorboard" / name for name in ("train", "validation")]
+        fit.rewind_logs(workdir / "metrics.csv", tensorboard, point.epoch if point else 0)
+    return [
+        fit.EpochCheckpoint(
+            workdir / "checkpoints", stateful=stateful, sync=[workdir / "metrics.csv"]
+        )
+    ]
 
 
 def _checked_run(config, workdir, resume):
@@ -299,6 +323,26 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
     )
     test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
     start = time.time()
+    resume_hint = f"python scripts/train.py --workdir {workdir} --resume"
+    with training.distribute.peer_errors(resume_hint):
+        history, evaluation = _loop_and_evaluate(config, workdir, strategy, model, train, test)
+    final = {
+        "test_loss": float(evaluation["loss"]),
+        "test_accuracy": float(evaluation["accuracy"]),
+        "epochs": config["epochs"],
+        "kappa": kappa,
+        "updates": int(np.asarray(model.optimizer.iterations)),
+        "train_seconds_this_session": round(time.time() - start, 1),
+    }
+    if training.is_chief(strategy):
+        _write_metrics(workdir / "metrics.csv", history)
+        (workdir / "final.json").write_text(json.dumps(final, indent=2))
+        plot_curves(workdir / "metrics.csv", workdir / "curves.png")
+    return final
+
+
+def _loop_and_evaluate(config, workdir, strategy, model, train, test):
+    """`training.train` on the seeded stream, then the test evaluation."""
     history = training.train(
         model,
         model.optimizer,
@@ -309,42 +353,28 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
         workdir=str(workdir / "loop"),
         metrics=["accuracy"],
         eval_dataset=test,
+        resume_hint=f"python scripts/train.py --workdir {workdir} --resume",
         verbose=1 if config["verbose"] else 0,
     )
     evaluation = training.Trainer(
         model, model.optimizer, model.loss, strategy=strategy, metrics=["accuracy"]
     ).evaluate(test)
-    final = {
-        "test_loss": float(evaluation["loss"]),
-        "test_accuracy": float(evaluation["accuracy"]),
-        "epochs": config["epochs"],
-        "kappa": kappa,
-        "updates": int(np.asarray(model.optimizer.iterations)),
-        "train_seconds_this_session": round(time.time() - start, 1),
-    }
-    if training.is_chief(strategy):
-        _append_metrics(workdir / "metrics.csv", history)
-        (workdir / "final.json").write_text(json.dumps(final, indent=2))
-        plot_curves(workdir / "metrics.csv", workdir / "curves.png")
-    return final
+    return history, evaluation
 
 
-def _append_metrics(metrics_csv, history):
-    """Per-epoch means from `training.train` as CSV rows (epoch from 0)."""
+def _write_metrics(metrics_csv, history):
+    """Per-epoch means from `training.train` (all epochs, also across a
+    resume) as CSV rows, epoch from 0; written atomically."""
     import csv
+    import io
 
     keys = sorted(history)
-    epochs = len(history.get("loss", []))
-    done = 0
-    if metrics_csv.exists():
-        with open(metrics_csv) as f:
-            done = max(0, sum(1 for _ in f) - 1)
-    with open(metrics_csv, "a", newline="") as f:
-        writer = csv.writer(f)
-        if not done:
-            writer.writerow(["epoch"] + keys)
-        for e in range(epochs):
-            writer.writerow([done + e] + [history[k][e] for k in keys])
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["epoch"] + keys)
+    for e in range(len(history.get("loss", []))):
+        writer.writerow([e] + [history[k][e] for k in keys])
+    checkpoints.atomic_write_text(str(metrics_csv), text.getvalue())
 
 
 def plot_curves(metrics_csv, png):
