@@ -1,16 +1,21 @@
 """Config-driven training runs: `train_and_evaluate(config, workdir)`.
 
 A config is a plain dict (saved_configs/*.py return one from `get_config()`);
-keys missing from it take the values in `DEFAULTS`, unknown keys are an
-error. A run folder holds everything needed to read or repeat the run:
+keys missing from it take the values in `DEFAULTS`; every key and value is
+checked by the run's schema (run_config.py) before anything is written, and
+a bad one is a one-line `ConfigError`. A run folder holds everything needed
+to read or repeat the run:
 
     config.json      the resolved config (re-run: --config <folder>/config.json)
-    metrics.csv      one row per epoch: loss, accuracy, val_*, learning rate,
-                     updates, skipped micro-batches, noise scale
+    metrics.csv      one row per epoch: loss, accuracy, val_* (the held-out
+                     start of train, with validation_split > 0) or test_*
+                     (the test split, without), learning rate, updates,
+                     skipped micro-batches, noise scale
     tensorboard/     TensorBoard events
-    checkpoints/     epoch_NNN.keras: model + optimizer state, for --resume
-    final.json       test loss and accuracy of the final model
-    curves.png       training and test curves
+    checkpoints/     epoch_NNN.keras: model + optimizer state, for --resume;
+                     config.json: the config they were made with
+    final.json       test (and validation) loss and accuracy of the final model
+    curves.png       training, validation and test curves
 
 Batches: the training stream is `micro_batch_size * replicas` items per
 call, `steps` calls per update, so kappa = steps * replicas micro-batches
