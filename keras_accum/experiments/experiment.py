@@ -324,9 +324,11 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
         strategy=strategy,
         workdir=str(workdir / "loop"),
         metrics=["accuracy"],
-        eval_dataset=test,
+        eval_dataset=_validation_split(config, held_out) if held_out else test,
         verbose=1 if config["verbose"] else 0,
     )
+    if not held_out:  # The loop says val_*; it was the test split.
+        history = {("test_" + k[4:] if k.startswith("val_") else k): v for k, v in history.items()}
     evaluation = training.Trainer(
         model, model.optimizer, model.loss, strategy=strategy, metrics=["accuracy"]
     ).evaluate(test)
