@@ -1,16 +1,21 @@
 """Config-driven training runs: `train_and_evaluate(config, workdir)`.
 
 A config is a plain dict (saved_configs/*.py return one from `get_config()`);
-keys missing from it take the values in `DEFAULTS`, unknown keys are an
-error. A run folder holds everything needed to read or repeat the run:
+keys missing from it take the values in `DEFAULTS`; every key and value is
+checked by the run's schema (run_config.py) before anything is written, and
+a bad one is a one-line `ConfigError`. A run folder holds everything needed
+to read or repeat the run:
 
     config.json      the resolved config (re-run: --config <folder>/config.json)
-    metrics.csv      one row per epoch: loss, accuracy, val_*, learning rate,
-                     updates, skipped micro-batches, noise scale
+    metrics.csv      one row per epoch: loss, accuracy, val_* (the held-out
+                     start of train, with validation_split > 0) or test_*
+                     (the test split, without), learning rate, updates,
+                     skipped micro-batches, noise scale
     tensorboard/     TensorBoard events
-    checkpoints/     epoch_NNN.keras: model + optimizer state, for --resume
-    final.json       test loss and accuracy of the final model
-    curves.png       training and test curves
+    checkpoints/     epoch_NNN.keras: model + optimizer state, for --resume;
+                     config.json: the config they were made with
+    final.json       test (and validation) loss and accuracy of the final model
+    curves.png       training, validation and test curves
 
 Batches: the training stream is `micro_batch_size * replicas` items per
 call, `steps` calls per update, so kappa = steps * replicas micro-batches
@@ -325,7 +330,9 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
     start = time.time()
     resume_hint = f"python scripts/train.py --workdir {workdir} --resume"
     with training.distribute.peer_errors(resume_hint):
-        history, evaluation = _loop_and_evaluate(config, workdir, strategy, model, train, test)
+        history, evaluation = _loop_and_evaluate(
+            config, workdir, strategy, model, train, test, held_out
+        )
     final = {
         "test_loss": float(evaluation["loss"]),
         "test_accuracy": float(evaluation["accuracy"]),
@@ -341,7 +348,7 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
     return final
 
 
-def _loop_and_evaluate(config, workdir, strategy, model, train, test):
+def _loop_and_evaluate(config, workdir, strategy, model, train, test, held_out):
     """`training.train` on the seeded stream, then the test evaluation."""
     history = training.train(
         model,
@@ -352,10 +359,12 @@ def _loop_and_evaluate(config, workdir, strategy, model, train, test):
         strategy=strategy,
         workdir=str(workdir / "loop"),
         metrics=["accuracy"],
-        eval_dataset=test,
+        eval_dataset=_validation_split(config, held_out) if held_out else test,
         resume_hint=f"python scripts/train.py --workdir {workdir} --resume",
         verbose=1 if config["verbose"] else 0,
     )
+    if not held_out:  # The loop says val_*; it was the test split.
+        history = {("test_" + k[4:] if k.startswith("val_") else k): v for k, v in history.items()}
     evaluation = training.Trainer(
         model, model.optimizer, model.loss, strategy=strategy, metrics=["accuracy"]
     ).evaluate(test)
