@@ -32,6 +32,11 @@ micro_batch_size=32, kappa=8)`, which logs `noise_scale`, `trace_sigma` and
 `grad_sq_norm`.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -48,7 +53,7 @@ def _sq_norm_one(g):
     return tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
 
 
-def squared_norm(grads):
+def squared_norm(grads: Sequence[Any]) -> tf.Tensor:
     """Sum of squared entries of a list of gradients, as float32.
 
     `None` entries count as zero; `tf.IndexedSlices` count as their dense
@@ -67,7 +72,9 @@ def _check_sizes(small_batch, big_batch):
         )
 
 
-def noise_scale_estimates(small_sq_norm, big_sq_norm, small_batch, big_batch):
+def noise_scale_estimates(
+    small_sq_norm: Any, big_sq_norm: Any, small_batch: float, big_batch: float
+) -> tuple[tf.Tensor, tf.Tensor]:
     """Unbiased one-window estimates `(|G|^2, tr(Sigma))`.
 
     Args:
@@ -121,7 +128,7 @@ class GradientNoiseScale(tf.Module):
         ema: decay in [0, 1); 0 keeps only the last window.
     """
 
-    def __init__(self, ema=0.95, name=None):
+    def __init__(self, ema: float = 0.95, name: str | None = None):
         super().__init__(name=name)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"`ema` must be in [0, 1). Received: ema={ema}")
@@ -131,7 +138,13 @@ class GradientNoiseScale(tf.Module):
             self.trace_sigma_acc = tf.Variable(0.0, name="trace_sigma_acc", trainable=False)
             self.g2_acc = tf.Variable(0.0, name="g2_acc", trainable=False)
 
-    def update(self, micro_grads_sq_norm_mean, window_grad_sq_norm, micro_batch_size, window_size):
+    def update(
+        self,
+        micro_grads_sq_norm_mean: Any,
+        window_grad_sq_norm: Any,
+        micro_batch_size: float,
+        window_size: float,
+    ) -> tf.Tensor:
         """Feeds one window: |g_b|^2, |g_B|^2, b, B. Returns `b_simple`."""
         g2, trace = noise_scale_estimates(
             micro_grads_sq_norm_mean, window_grad_sq_norm, micro_batch_size, window_size
@@ -142,7 +155,9 @@ class GradientNoiseScale(tf.Module):
         self.updates.assign_add(1)
         return self.b_simple
 
-    def update_from_micro_grads(self, micro_grads, micro_batch_size):
+    def update_from_micro_grads(
+        self, micro_grads: Sequence[Sequence[Any]], micro_batch_size: float
+    ) -> tf.Tensor:
         """Feeds one window from explicit gradients.
 
         Args:
@@ -164,20 +179,20 @@ class GradientNoiseScale(tf.Module):
         return 1.0 - tf.pow(self.ema, tf.cast(self.updates, tf.float32))
 
     @property
-    def trace_sigma(self):
+    def trace_sigma(self) -> tf.Tensor:
         return self.trace_sigma_acc / self._correction()
 
     @property
-    def g2(self):
+    def g2(self) -> tf.Tensor:
         return self.g2_acc / self._correction()
 
     @property
-    def b_simple(self):
+    def b_simple(self) -> tf.Tensor:
         ratio = tf.math.divide_no_nan(self.trace_sigma_acc, self.g2_acc)
         ratio = tf.where(self.g2_acc > 0, ratio, float("inf"))
         return tf.where(self.updates > 0, ratio, float("nan"))
 
-    def result(self):
+    def result(self) -> dict[str, tf.Tensor]:
         """Dict with `noise_scale`, `trace_sigma`, `grad_sq_norm` tensors."""
         return {
             "noise_scale": self.b_simple,
@@ -235,7 +250,15 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         ema: decay of the tracker's EMAs. seed: for the array draws.
     """
 
-    def __init__(self, data, micro_batch_size, kappa, every_n_batches=100, ema=0.95, seed=None):
+    def __init__(
+        self,
+        data: Any,
+        micro_batch_size: int,
+        kappa: int,
+        every_n_batches: int = 100,
+        ema: float = 0.95,
+        seed: int | None = None,
+    ):
         super().__init__()
         for name, value, low in (
             ("micro_batch_size", micro_batch_size, 1),

@@ -9,10 +9,14 @@ so a killed and resumed run logs exactly the records, with the same numbers,
 as an uninterrupted one (the `time` and `examples_per_second` fields aside).
 """
 
+from __future__ import annotations
+
 import json
 import os
 import time
 import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -262,24 +266,24 @@ class Controller:
 
 
 def train(
-    model,
-    optimizer,
-    loss_fn,
-    dataset,
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer,
+    loss_fn: Any,
+    dataset: tf.data.Dataset,
     *,
-    epochs=1,
-    steps=None,
-    micro_batch_size=None,
-    strategy=None,
-    workdir=None,
-    checkpoint_every=100,
-    metrics=(),
-    last_batch="weighted",
-    eval_dataset=None,
-    callbacks=(),
-    verbose=1,
-    resume_hint=None,
-):
+    epochs: int = 1,
+    steps: int | None = None,
+    micro_batch_size: int | None = None,
+    strategy: tf.distribute.Strategy | None = None,
+    workdir: str | None = None,
+    checkpoint_every: int = 100,
+    metrics: Sequence[Any] = (),
+    last_batch: str = "weighted",
+    eval_dataset: tf.data.Dataset | None = None,
+    callbacks: Sequence[Callable[[dict], None]] = (),
+    verbose: int = 1,
+    resume_hint: str | None = None,
+) -> dict[str, list[float]]:
     """Trains `model` for `epochs` passes over `dataset`; one update per batch.
 
     Each global batch of `dataset` is one window: it is split over the

@@ -29,7 +29,7 @@ def peer_errors(resume_hint=None):
         ) from error
 
 
-def strategy_from_environment(collective_timeout=None):
+def strategy_from_environment(collective_timeout: float | None = None) -> tf.distribute.Strategy:
     """The strategy this process should use.
 
     `MultiWorkerMirroredStrategy` when TF_CONFIG names more than one task,
@@ -51,7 +51,7 @@ def strategy_from_environment(collective_timeout=None):
     return tf.distribute.get_strategy()
 
 
-def is_chief(strategy):
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
     """True on the worker that writes checkpoints, logs and summaries."""
     return bool(getattr(strategy.extended, "should_checkpoint", True))
 

@@ -56,8 +56,12 @@ The step function is traced once: its only argument is the iterator and all
 counters live in variables.
 """
 
+from __future__ import annotations
+
 import shutil
 import tempfile
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -114,7 +118,14 @@ class Trainer:
     """
 
     def __init__(
-        self, model, optimizer, loss_fn, *, strategy=None, metrics=(), last_batch="weighted"
+        self,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer,
+        loss_fn: Any,
+        *,
+        strategy: tf.distribute.Strategy | None = None,
+        metrics: Sequence[Any] = (),
+        last_batch: str = "weighted",
     ):
         self.strategy = strategy or tf.distribute.get_strategy()
         if last_batch not in LAST_BATCH_POLICIES:
@@ -195,7 +206,9 @@ class Trainer:
 
     # -- data -----------------------------------------------------------------
 
-    def distribute(self, dataset, *, epochs=1, global_batch_size=None):
+    def distribute(
+        self, dataset: tf.data.Dataset, *, epochs: int = 1, global_batch_size: int | None = None
+    ) -> tf.distribute.DistributedDataset:
         """The distributed stream of `epochs` passes over `dataset`, resumed
         after the batches already trained (`self.batches`, `self.epoch`).
 
@@ -345,7 +358,7 @@ class Trainer:
         result = self.strategy.run(replica_fn, args=(next(iterator),))
         return self.strategy.experimental_local_results(result)[0]
 
-    def evaluate(self, dataset):
+    def evaluate(self, dataset: tf.data.Dataset) -> dict[str, float]:
         """Sample-weighted mean loss and metrics over `dataset` (global
         batches, as for training). Runs on every worker."""
         iterator = iter(self.strategy.experimental_distribute_dataset(data_sharded(dataset)))
@@ -361,7 +374,7 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------
 
-    def save(self, directory, max_to_keep=3):
+    def save(self, directory: str, max_to_keep: int = 3) -> str:
         """Saves model, optimizer and data position atomically as
         `directory/ckpt-<position>` (see `position`) and keeps the newest
         `max_to_keep`. Every worker must call it (reading the replica-local
@@ -376,7 +389,7 @@ class Trainer:
             shutil.rmtree(target, ignore_errors=True)
         return path
 
-    def restore(self, directory):
+    def restore(self, directory: str) -> str | None:
         """Restores the newest intact checkpoint in `directory`, if any;
         returns its path or None. Newer unusable ones are named in a
         warning; when none is intact, or the checkpoint does not match the
