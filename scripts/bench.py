@@ -1,6 +1,6 @@
 """Benchmarks the keras_accum optimizers against Keras's own accumulation.
 
-Full run (about 12 minutes on 2 cores; writes runs/bench/results.md, .json,
+Full run (about 40 minutes on 2 cores; writes runs/bench/results.md, .json,
 samples.csv and config.json):
 
     python scripts/bench.py --output=runs/bench
@@ -9,7 +9,7 @@ Smoke test (tiny sizes, numbers meaningless):
 
     python scripts/bench.py --quick --output=/tmp/bench_quick
 
-What is measured and how: see the docstring of `keras_accum/experiments/bench.py`.
+What is measured and how: see the docstring of `keras_accum/experiments/bench/`.
 """
 
 import json
@@ -26,10 +26,16 @@ flags.DEFINE_bool("quick", False, "Tiny sizes, for a smoke test.")
 flags.DEFINE_integer("repeats", None, "Timed rounds per (setting, model).")
 flags.DEFINE_integer("steps", None, "N: micro-batches per window.")
 flags.DEFINE_integer("micro_batch", None, "b: examples per micro-batch.")
+flags.DEFINE_integer(
+    "limit_micro_batch", None, "Also time at this micro-batch in --limit_settings (0: off)."
+)
+flags.DEFINE_list("limit_settings", None, "Settings timed at --limit_micro_batch.")
 flags.DEFINE_integer("windows", None, "Windows per train-function call (K = steps x windows).")
-flags.DEFINE_list("models", None, "Models to run (cnn, mlp).")
+flags.DEFINE_list("models", None, "Models to run (cnn, mlp, transformer).")
 flags.DEFINE_list("contenders", None, "Contenders (see CONTENDERS).")
-flags.DEFINE_list("settings", None, "Settings: graph, xla, mirrored.")
+flags.DEFINE_list(
+    "settings", None, "Settings: graph, xla, graph_spe1, xla_spe1, mirrored (see SETTINGS)."
+)
 flags.DEFINE_float(
     "min_sample_seconds", None, "A timed sample repeats calls until it lasts this long."
 )
@@ -70,6 +76,7 @@ def main(argv):
             "repeats",
             "steps",
             "micro_batch",
+            "limit_micro_batch",
             "windows",
             "min_sample_seconds",
             "rss",
@@ -78,7 +85,7 @@ def main(argv):
         )
         if getattr(FLAGS, name) is not None
     }
-    for name in ("models", "contenders", "settings"):
+    for name in ("models", "contenders", "settings", "limit_settings"):
         if getattr(FLAGS, name):
             overrides[name] = tuple(getattr(FLAGS, name))
     if FLAGS.render:

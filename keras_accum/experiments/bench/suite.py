@@ -1,0 +1,88 @@
+"""The whole run: every timed group, then memory and XLA copies in
+subprocesses, then the targets."""
+
+import dataclasses
+import os
+import platform
+import time
+
+import keras
+import tensorflow as tf
+
+import keras_accum as ka
+from keras_accum.experiments.bench import group, worker
+from keras_accum.experiments.bench.config import SETTINGS, BenchConfig, log
+from keras_accum.experiments.bench.contenders import CONTENDERS
+from keras_accum.experiments.bench.targets import OURS, evaluate_targets
+from keras_accum.experiments.bench.workloads import WORKLOADS
+
+
+def machine_info():
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "load": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "keras_accum": ka.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _timed_rows(config):
+    rows = []
+    for setting, micro_batch in config.groups() if config.timing else ():
+        for model_name in config.models:
+            log(f"== {setting} / {model_name} / b={micro_batch}")
+            if SETTINGS[setting].replicas > 1:
+                task = {
+                    "kind": "group",
+                    "setting": setting,
+                    "model": model_name,
+                    "micro_batch": micro_batch,
+                }
+                rows += worker.run_worker(task, config)
+            else:
+                rows += group.run_group(model_name, setting, config, micro_batch)
+    return rows
+
+
+def run(config=None):
+    """Runs the benchmark; returns {"config", "machine", "rows", ...}."""
+    config = (config or BenchConfig()).resolved().validate(WORKLOADS, CONTENDERS)
+    machine = machine_info()
+    started = time.time()
+    rows = _timed_rows(config)
+    if config.rss:
+        found = worker.per_contender("rss", "peak RSS", config)
+        rss = {(f["model"], f["contender"]): f["result"] for f in found}
+        for row in rows:
+            if row["setting"] == "graph" and row["micro_batch"] == config.micro_batch:
+                row["rss"] = rss.get((row["model"], row["contender"]))
+    copies = []
+    if config.xla_copies:
+        # Only the optimizers: the references' copies are not targets.
+        names = [n for n in config.contenders if n in OURS + ("adam", "keras_accumulation")]
+        copies = [
+            dict(found["result"], model=found["model"], contender=found["contender"])
+            for found in worker.per_contender("xla_copies", "XLA copies", config, names)
+        ]
+    result = {
+        "config": dataclasses.asdict(config),
+        "machine": machine,
+        "rows": rows,
+        "xla_copies": copies,
+        "seconds": time.time() - started,
+    }
+    result["targets"] = evaluate_targets(result)
+    return result
