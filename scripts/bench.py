@@ -60,7 +60,8 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "render",
     None,
-    "A results.json of an earlier run: print (and --splice) its report again without running.",
+    "results.json of earlier runs, comma-separated: print (and --splice) their report "
+    "again without running; several are merged into one report (e.g. one run per setting).",
 )
 
 FLAGS = flags.FLAGS
@@ -89,11 +90,13 @@ def main(argv):
         if getattr(FLAGS, name):
             overrides[name] = tuple(getattr(FLAGS, name))
     if FLAGS.render:
-        # Same numbers, same command: only the presentation is redone.
-        with open(FLAGS.render) as f:
-            result = json.load(f)
-        result["targets"] = bench.evaluate_targets(result)
-        command = result.get("command")
+        # Same numbers, same commands: only the presentation is redone.
+        results = []
+        for path in FLAGS.render.split(","):
+            with open(path) as f:
+                results.append(json.load(f))
+        result = bench.merge_results(results)
+        command = result["command"]
     else:
         config = bench.BenchConfig(quick=FLAGS.quick, **overrides)
         result = bench.run(config)

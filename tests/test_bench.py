@@ -98,6 +98,13 @@ def test_markdown_and_files(result, tmp_path):
     assert all(float(s["seconds_per_micro_batch"]) > 0 for s in samples)
 
 
+def test_merged_runs_report_every_row_and_case(result):
+    merged = bench.merge_results([result, result])
+    assert len(merged["rows"]) == 2 * len(result["rows"])
+    assert len(merged["targets"]) == 2 * len(result["targets"])
+    assert merged["config"]["models"] == list(CONFIG.models)
+
+
 def test_memory_targets_are_met_exactly(result):
     cases = [t for t in result["targets"] if t["target"] in ("ia_slots", "memory_state")]
     assert {t["target"] for t in cases} == {"ia_slots", "memory_state"}

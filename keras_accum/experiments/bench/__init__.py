@@ -65,7 +65,7 @@ from keras_accum.experiments.bench.report import (  # noqa: E402
     write_outputs,
 )
 from keras_accum.experiments.bench.runner import FitRunner  # noqa: E402
-from keras_accum.experiments.bench.suite import machine_info, run  # noqa: E402
+from keras_accum.experiments.bench.suite import machine_info, merge_results, run  # noqa: E402
 from keras_accum.experiments.bench.targets import TARGETS, evaluate_targets, summarize  # noqa: E402
 from keras_accum.experiments.bench.worker import run_worker  # noqa: E402
 from keras_accum.experiments.bench.workloads import WORKLOADS, Workload  # noqa: E402
@@ -93,6 +93,7 @@ __all__ = [
     "evaluate_targets",
     "machine_info",
     "markdown",
+    "merge_results",
     "modelled_bytes",
     "register",
     "run",

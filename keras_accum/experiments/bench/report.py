@@ -220,7 +220,7 @@ def _machine_section(result, command):
         f"* wall time of the run: {result['seconds']:.0f} s",
     ]
     if "load" in machine:
-        parts.append(f"* load average (1, 5, 15 min) at the start: {machine['load']}")
+        parts.append(f"* load average (1, 5, 15 min) at the start of each run: {machine['load']}")
     parts.append("")
     if command:
         parts += ["### Command", "", "```", command, "```", ""]

@@ -86,3 +86,29 @@ def run(config=None):
     }
     result["targets"] = evaluate_targets(result)
     return result
+
+
+def merge_results(results):
+    """One result from several runs (e.g. one per setting, run one after
+    the other): rows and copies concatenated, the config's model, contender
+    and setting lists united, wall times summed; targets recomputed."""
+    first = results[0]
+    config = dict(first["config"])
+    for key in ("models", "contenders", "settings", "limit_settings"):
+        union = []
+        for result in results:
+            union += [n for n in result["config"][key] if n not in union]
+        config[key] = union
+    merged = {
+        "config": config,
+        "machine": dict(
+            first["machine"],
+            load="; ".join(r["machine"].get("load", "?") for r in results),
+        ),
+        "rows": [row for result in results for row in result["rows"]],
+        "xla_copies": [c for result in results for c in result.get("xla_copies") or []],
+        "seconds": sum(result["seconds"] for result in results),
+        "command": "\n".join(r.get("command") or "" for r in results),
+    }
+    merged["targets"] = evaluate_targets(merged)
+    return merged
