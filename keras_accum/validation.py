@@ -9,6 +9,10 @@ Traceback (most recent call last):
 ValueError: `steps` must be an integer >= 1. Received: steps=0
 >>> check_float("epsilon", 1e-7, minimum=0.0)
 1e-07
+>>> check_bool("jit_compile", "no")
+Traceback (most recent call last):
+...
+ValueError: `jit_compile` must be True or False. Received: jit_compile='no'
 >>> check_choice("rule", "linear", ("invariant", "sqrt", "power"))
 Traceback (most recent call last):
 ...
@@ -18,6 +22,7 @@ ValueError: `rule` must be one of 'invariant', 'sqrt', 'power'. Received: rule='
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +32,13 @@ def check_int(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
     return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """`value` if it is a bool (not 0, 1 or a string), else ValueError."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return value
 
 
 def check_float(
@@ -42,20 +54,21 @@ def check_float(
 
     The bounds are closed unless `open_minimum` / `open_maximum` is set.
     """
-    low = "(" if open_minimum else "["
-    high = ")" if open_maximum else "]"
-    span = ""
-    if minimum is not None or maximum is not None:
-        lo = "-inf" if minimum is None else repr(minimum)
-        hi = "inf" if maximum is None else repr(maximum)
-        span = f" in {low}{lo}, {hi}{high}"
+    if minimum is not None and maximum is not None:
+        low = "(" if open_minimum else "["
+        high = ")" if open_maximum else "]"
+        span = f" in {low}{minimum!r}, {maximum!r}{high}"
+    elif minimum is not None:
+        span = f" {'>' if open_minimum else '>='} {minimum!r}"
+    elif maximum is not None:
+        span = f" {'<' if open_maximum else '<='} {maximum!r}"
+    else:
+        span = ""
     error = ValueError(f"`{name}` must be a finite number{span}. Received: {name}={value!r}")
-    if isinstance(value, bool):
+    # Numbers only: a string such as "1e-3" is a config mistake, not a float.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise error
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise error from None
+    number = float(value)
     if not math.isfinite(number):
         raise error
     if minimum is not None and (number < minimum or (open_minimum and number == minimum)):
