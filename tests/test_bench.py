@@ -101,7 +101,12 @@ def test_markdown_and_files(result, tmp_path):
 def test_merged_runs_report_every_row_and_case(result):
     merged = bench.merge_results([result, result])
     assert len(merged["rows"]) == 2 * len(result["rows"])
-    assert len(merged["targets"]) == 2 * len(result["targets"])
+
+    # Per-row cases twice; per-model ones (memory) once per model.
+    def per_row(r):
+        return [t for t in r["targets"] if t["target"].startswith("retrace")]
+
+    assert len(per_row(merged)) == 2 * len(per_row(result)) > 0
     assert merged["config"]["models"] == list(CONFIG.models)
 
 
@@ -217,3 +222,19 @@ def test_targets_thresholds_follow_the_issue():
     assert lines[bench.TARGETS["retrace_steps"][0]] == "pending"
     assert lines[bench.TARGETS["retrace"][0]] == "met"
     assert lines[bench.TARGETS["xla_copies"][0]] == "n/a"
+
+
+@pytest.mark.parametrize(
+    "overrides, culprit",
+    [
+        ({"steps": 0}, "`steps` must be an integer >= 1"),
+        ({"models": ("cnn", "resnet")}, "`models[1]` must be one of"),
+        ({"contenders": ("adam", "sgd")}, "`contenders[1]` must be one of"),
+        ({"limit_settings": ("gpu",)}, "`limit_settings[0]` must be one of"),
+        ({"min_sample_seconds": -1.0}, "`min_sample_seconds` must be a finite number"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_key(overrides, culprit):
+    with pytest.raises(ValueError) as error:
+        bench.BenchConfig(**overrides)
+    assert culprit in str(error.value) and "\n" not in str(error.value)

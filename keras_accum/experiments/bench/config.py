@@ -4,7 +4,9 @@ import dataclasses
 import sys
 import time
 
-from keras_accum.validation import check_choice, check_float, check_int
+from keras_accum import validation
+from keras_accum.experiments import config as cfg
+from keras_accum.experiments.bench.workloads import WORKLOADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,36 +40,93 @@ SETTINGS = {
 }
 
 
+F = cfg.Field
+
+
+def _names(name, default, help, choices=None):
+    item = F("", "str", "", "", choices=choices)
+    return F(name, "list", list(default), help, item=item)
+
+
+def _check_contenders(c):
+    from keras_accum.experiments.bench.contenders import CONTENDERS
+
+    for i, name in enumerate(c["contenders"]):
+        validation.check_choice(f"contenders[{i}]", name, tuple(CONTENDERS))
+
+
+# One field per config key; the script's flags are derived from them.
+FIELDS = [
+    _names("models", ("cnn", "mlp", "transformer"), "Models", tuple(WORKLOADS)),
+    _names(
+        "contenders",
+        (
+            "adam",
+            "keras_accumulation",
+            "gradient_accumulation",
+            "invariant_adam",
+            "update_accumulation_adam",
+            "big_batch",
+            "gradients_only",
+        ),
+        "Contenders (see contenders.CONTENDERS)",
+    ),
+    _names("settings", tuple(SETTINGS), "Settings (see SETTINGS)", tuple(SETTINGS)),
+    F("steps", "int", 8, "N: micro-batches per window", minimum=1),
+    F("micro_batch", "int", 32, "b: examples per micro-batch (global)", minimum=1),
+    F(
+        "limit_micro_batch",
+        "int",
+        256,
+        "Also timed at this b in limit_settings (0: off)",
+        minimum=0,
+    ),
+    _names(
+        "limit_settings", ("graph", "xla"), "Settings timed at limit_micro_batch", tuple(SETTINGS)
+    ),
+    F("windows", "int", 1, "Windows per train-function call: K = steps x windows", minimum=1),
+    F("repeats", "int", 11, "Timed rounds per group", minimum=1),
+    F("warmup", "int", 2, "Untimed calls after the warm-up fit", minimum=0),
+    F("min_sample_seconds", "float", 0.2, "A timed sample repeats calls to last this", minimum=0.0),
+    F("rss", "bool", True, "Peak RSS in one subprocess per (model, contender)"),
+    F("timing", "bool", True, "Run the timed groups (off: only memory / copies)"),
+    F("xla_copies", "bool", True, "Count XLA copies per (model, contender) from the HLO"),
+    F("quick", "bool", False, "Tiny sizes: a smoke test, not a measurement"),
+    F("seed", "int", 0, "Seed of the data and the weights", minimum=0),
+]
+SCHEMA = cfg.Schema("benchmark", FIELDS, [_check_contenders])
+_DEFAULTS = {name: tuple(v) if isinstance(v, list) else v for name, v in SCHEMA.defaults().items()}
+
+
 @dataclasses.dataclass
 class BenchConfig:
-    """Everything a run depends on; written beside its results."""
+    """Everything a run depends on; written beside its results.
 
-    models: tuple = ("cnn", "mlp", "transformer")
-    contenders: tuple = (
-        "adam",
-        "keras_accumulation",
-        "gradient_accumulation",
-        "invariant_adam",
-        "update_accumulation_adam",
-        "big_batch",
-        "gradients_only",
-    )
-    settings: tuple = ("graph", "xla", "graph_spe1", "xla_spe1", "mirrored")
-    steps: int = 8  # N: micro-batches per window.
-    micro_batch: int = 32  # b: examples per micro-batch (global).
-    # The distance to the limit is also measured at this micro-batch, in
-    # `limit_settings` (0: not measured).
-    limit_micro_batch: int = 256
-    limit_settings: tuple = ("graph", "xla")
-    windows: int = 1  # windows per train_function call: K = steps * windows.
-    repeats: int = 11  # timed rounds per group.
-    warmup: int = 2  # untimed calls after the warm-up fit.
-    min_sample_seconds: float = 0.2  # a sample repeats calls to last this.
-    rss: bool = True  # peak RSS per (model, contender) in subprocesses.
-    timing: bool = True  # the timed groups (off: only memory / copies).
-    xla_copies: bool = True  # count XLA copies per (model, contender).
-    quick: bool = False  # tiny sizes: a smoke test, not a measurement.
-    seed: int = 0
+    The fields, defaults and checks are `SCHEMA`'s: a bad value is a
+    `ConfigError` (a ValueError) naming the key, at construction.
+    """
+
+    models: tuple = _DEFAULTS["models"]
+    contenders: tuple = _DEFAULTS["contenders"]
+    settings: tuple = _DEFAULTS["settings"]
+    steps: int = _DEFAULTS["steps"]
+    micro_batch: int = _DEFAULTS["micro_batch"]
+    limit_micro_batch: int = _DEFAULTS["limit_micro_batch"]
+    limit_settings: tuple = _DEFAULTS["limit_settings"]
+    windows: int = _DEFAULTS["windows"]
+    repeats: int = _DEFAULTS["repeats"]
+    warmup: int = _DEFAULTS["warmup"]
+    min_sample_seconds: float = _DEFAULTS["min_sample_seconds"]
+    rss: bool = _DEFAULTS["rss"]
+    timing: bool = _DEFAULTS["timing"]
+    xla_copies: bool = _DEFAULTS["xla_copies"]
+    quick: bool = _DEFAULTS["quick"]
+    seed: int = _DEFAULTS["seed"]
+
+    def __post_init__(self):
+        resolved = SCHEMA.resolve(dataclasses.asdict(self))
+        for name, value in resolved.items():
+            setattr(self, name, tuple(value) if isinstance(value, list) else value)
 
     def resolved(self):
         """The config with `quick` applied: what actually runs."""
@@ -91,30 +150,12 @@ class BenchConfig:
             pairs += [(s, self.limit_micro_batch) for s in self.limit_settings]
         return pairs
 
-    def validate(self, workloads, contenders):
-        """ValueError naming the first unknown name or bad number."""
-        for field, known in (
-            ("models", workloads),
-            ("contenders", contenders),
-            ("settings", SETTINGS),
-            ("limit_settings", SETTINGS),
-        ):
-            for name in getattr(self, field):
-                check_choice(field, name, known)
-        for field in ("steps", "micro_batch", "windows", "repeats"):
-            check_int(field, getattr(self, field))
-        check_int("limit_micro_batch", self.limit_micro_batch, minimum=0)
-        check_int("warmup", self.warmup, minimum=0)
-        check_float("min_sample_seconds", self.min_sample_seconds, minimum=0.0)
-        return self
-
     @classmethod
     def from_dict(cls, fields):
-        """From `dataclasses.asdict` output (JSON lists back to tuples)."""
+        """From `dataclasses.asdict` output; keys it does not know are
+        dropped (a results.json of an older version)."""
         known = {field.name for field in dataclasses.fields(cls)}
-        return cls(
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in known}
-        )
+        return cls(**{k: v for k, v in fields.items() if k in known})
 
 
 def log(message):
