@@ -32,7 +32,7 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import diagnostics, training
-from keras_accum.experiments import data, models, run_config
+from keras_accum.experiments import data, models, optimizers, run_config
 from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config API)
     DEFAULTS,
     SCHEMA,
@@ -62,24 +62,13 @@ def make_optimizer(config, kappa, total_updates):
         hyper["learning_rate"] = keras.optimizers.schedules.CosineDecay(
             hyper["learning_rate"], decay_steps=total_updates
         )
-    steps, wd = config["steps"], config["weight_decay"]
-    if config["optimizer"] == "invariant_adam":
-        return ka.InvariantAdam(**hyper, steps=steps, weight_decay=wd)
-    if config["optimizer"] == "update_accumulation_adam":
-        return ka.UpdateAccumulationAdam(**hyper, steps=steps, weight_decay=wd)
-    if config["inner_optimizer"] == "sgd":
-        inner = keras.optimizers.SGD(
-            hyper["learning_rate"], momentum=hyper["beta_1"], weight_decay=wd
-        )
-    else:
-        inner_cls = (
-            keras.optimizers.AdamW
-            if config["inner_optimizer"] == "adamw"
-            else keras.optimizers.Adam
-        )
-        kwargs = {} if wd is None else {"weight_decay": wd}
-        inner = inner_cls(**hyper, **kwargs)
-    return ka.GradientAccumulation(inner, steps=steps)
+    return optimizers.build(
+        config["optimizer"],
+        config["steps"],
+        hyper,
+        inner=config["inner_optimizer"],
+        weight_decay=config["weight_decay"],
+    )
 
 
 def training_stream(config, global_micro_batch, start_batch, held_out=0):
