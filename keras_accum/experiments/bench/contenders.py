@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 import keras_accum as ka
+from keras_accum.experiments import optimizers
 
 
 class GradientsOnly(keras.optimizers.Optimizer):
@@ -68,6 +69,8 @@ class Contender:
 
 
 CONTENDERS = {}
+# Keras's defaults: what a user gets from `keras.optimizers.Adam()`.
+ADAM = {"learning_rate": 0.001}
 
 
 def register(contender):
@@ -91,19 +94,19 @@ for _contender in (
         "gradient_accumulation",
         "GradientAccumulation(Adam(), steps=N)",
         "ours",
-        lambda steps: ka.GradientAccumulation(keras.optimizers.Adam(), steps=steps),
+        lambda steps: optimizers.build("gradient_accumulation", steps, ADAM),
     ),
     Contender(
         "invariant_adam",
         "InvariantAdam(steps=N)",
         "ours",
-        lambda steps: ka.InvariantAdam(steps=steps),
+        lambda steps: optimizers.build("invariant_adam", steps, ADAM),
     ),
     Contender(
         "update_accumulation_adam",
         "UpdateAccumulationAdam(steps=N)",
         "ours",
-        lambda steps: ka.UpdateAccumulationAdam(steps=steps),
+        lambda steps: optimizers.build("update_accumulation_adam", steps, ADAM),
     ),
     Contender("big_batch", "Adam on one batch of N x b", "big_batch", _adam, "window"),
     Contender(
@@ -113,7 +116,7 @@ for _contender in (
         lambda steps: GradientsOnly(),
     ),
     # Not run by default: the cost of the default non-finite check, by
-    # difference.
+    # difference (`optimizers.build` gives the defaults a user gets).
     Contender(
         "gradient_accumulation_nocheck",
         "GradientAccumulation(Adam(), steps=N, nonfinite=None)",
