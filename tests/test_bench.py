@@ -238,3 +238,25 @@ def test_bad_config_is_one_line_naming_the_key(overrides, culprit):
     with pytest.raises(ValueError) as error:
         bench.BenchConfig(**overrides)
     assert culprit in str(error.value) and "\n" not in str(error.value)
+
+
+def test_merge_puts_peak_rss_of_a_memory_run_on_the_timed_rows():
+    config = {"models": ["m"], "contenders": [], "settings": [], "limit_settings": []}
+    config.update(micro_batch=32, steps=4)
+    machine = {"load": "1"}
+    rows = [
+        _row("graph", name, role, 32)
+        for name, role in (("keras_accumulation", "keras"), ("invariant_adam", "ours"))
+    ]
+    for row in rows:
+        row["bytes_per_param"] = 8.0
+    timed = {"config": config, "machine": machine, "rows": rows, "seconds": 1.0}
+    rss = [
+        {"model": "m", "contender": "keras_accumulation", "baseline_mb": 100.0, "peak_mb": 150.0},
+        {"model": "m", "contender": "invariant_adam", "baseline_mb": 100.0, "peak_mb": 170.0},
+    ]
+    memory = {"config": config, "machine": machine, "rows": [], "rss": rss, "seconds": 1.0}
+    merged = bench.merge_results([timed, memory])
+    peak = next(t for t in merged["targets"] if t["target"] == "memory_peak")
+    # 70 MB over baseline against Keras's 50 + the 10 MB allowance.
+    assert (peak["value"], peak["threshold"], peak["met"]) == (70.0, 60.0, False)

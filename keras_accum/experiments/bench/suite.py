@@ -61,12 +61,12 @@ def run(config=None):
     machine = machine_info()
     started = time.time()
     rows = _timed_rows(config)
+    rss = []
     if config.rss:
-        found = worker.per_contender("rss", "peak RSS", config)
-        rss = {(f["model"], f["contender"]): f["result"] for f in found}
-        for row in rows:
-            if row["setting"] == "graph" and row["micro_batch"] == config.micro_batch:
-                row["rss"] = rss.get((row["model"], row["contender"]))
+        rss = [
+            dict(found["result"], model=found["model"], contender=found["contender"])
+            for found in worker.per_contender("rss", "peak RSS", config)
+        ]
     copies = []
     if config.xla_copies:
         # Only the optimizers: the references' copies are not targets.
@@ -80,10 +80,23 @@ def run(config=None):
         "machine": machine,
         "rows": rows,
         "xla_copies": copies,
+        "rss": rss,
         "seconds": time.time() - started,
     }
+    attach_rss(result)
     result["targets"] = evaluate_targets(result)
     return result
+
+
+def attach_rss(result):
+    """Puts each peak-RSS measurement on its graph-mode row at the main
+    micro-batch (the memory table and targets read it there)."""
+    found = {(r["model"], r["contender"]): r for r in result.get("rss") or []}
+    b = result["config"]["micro_batch"]
+    for row in result["rows"]:
+        key = (row["model"], row["contender"])
+        if row["setting"] == "graph" and row.get("micro_batch", b) == b and key in found:
+            row["rss"] = found[key]
 
 
 def merge_results(results):
@@ -105,8 +118,10 @@ def merge_results(results):
         ),
         "rows": [row for result in results for row in result["rows"]],
         "xla_copies": [c for result in results for c in result.get("xla_copies") or []],
+        "rss": [r for result in results for r in result.get("rss") or []],
         "seconds": sum(result["seconds"] for result in results),
         "command": "\n".join(r.get("command") or "" for r in results),
     }
+    attach_rss(merged)
     merged["targets"] = evaluate_targets(merged)
     return merged
