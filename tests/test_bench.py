@@ -204,6 +204,8 @@ def test_targets_thresholds_follow_the_issue():
         _row("mirrored", "invariant_adam", "ours", 32, vs_adam=0.5),
     ]
     rows[-1]["reductions"] = {"every_step_elements": 1, "conditional_elements": 100}
+    rows.insert(0, _row("mirrored", "adam", "adam", 32))  # a reference: no threshold
+    rows[0]["reductions"] = {"every_step_elements": 100}
     result = {"rows": rows, "config": {"models": ("m",), "micro_batch": 32, "steps": 4}}
     met = {
         (t["target"], t["setting"], t["micro_batch"]): t["met"]

@@ -35,7 +35,7 @@ REDUCTION_ALLOWANCE = 0.01
 
 
 def _case(target, row, value, threshold, met=None, note=""):
-    if met is None and value is not None:
+    if met is None and value is not None and threshold is not None:
         met = value <= threshold
     return {
         "target": target,
