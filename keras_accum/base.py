@@ -76,13 +76,9 @@ def all_finite(grads):
 
 
 def in_xla():
-    """True while tracing code that XLA compiles (`jit_compile=True`).
-
-    Under XLA a `tf.cond` whose branches touch parameter-sized state makes
-    XLA copy that state every step, while arithmetic masks (`tf.where`) fuse
-    into one pass; in graph mode it is the reverse: each masking op is a
-    full pass, and a `cond` costs nothing. The optimizers pick per mode.
-    """
+    """True while tracing for XLA (`jit_compile=True`): there masks fuse
+    into one pass and a `tf.cond` copies the state it carries; in graph
+    mode a mask is a full pass and a `cond` is free."""
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
