@@ -51,6 +51,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import initializers, optimizers
+from tensorflow.python.ops import control_flow_util
 
 from keras_accum.validation import check_choice, check_float, check_int
 
@@ -63,7 +64,22 @@ ReplicaItems = collections.namedtuple("ReplicaItems", ["items"])
 
 
 def all_finite(grads):
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+    """True when no gradient holds a NaN or an Inf. NaN and Inf propagate
+    into a sum: one `reduce_sum` read per gradient, no boolean tensor; the
+    elementwise test runs only if a float32 sum overflows (exact)."""
+    sums = tf.stack([tf.reduce_sum(tf.cast(g, "float32")) for g in grads])
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(sums)),
+        lambda: tf.constant(True),
+        lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]),
+    )
+
+
+def in_xla():
+    """True while tracing for XLA (`jit_compile=True`): there masks fuse
+    into one pass and a `tf.cond` copies the state it carries; in graph
+    mode a mask is a full pass and a `cond` is free."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def dense(grad):
@@ -341,12 +357,12 @@ class AccumulationOptimizer(optimizers.Optimizer):
 
                 distribution.extended.update(variable.value, constrain, group=False)
 
-    def _screen(self, grads):
+    def _screen(self, grads, mask=True):
         """Applies the non-finite policy to one replica's dense gradients.
 
         Returns `(grads, ok)`: under a `skip_*` policy `ok` is a boolean
-        scalar and a non-finite micro-batch comes back as zeros (an
-        arithmetic mask, no branch over parameter-sized state), else None.
+        scalar and, with `mask`, a non-finite micro-batch comes back as zeros
+        (an arithmetic mask, no branch over parameter-sized state), else None.
         Replica context, no communication.
         """
         if self.nonfinite is None:
@@ -359,7 +375,10 @@ class AccumulationOptimizer(optimizers.Optimizer):
         self._skipped_micro_batches.assign_add(bad)
         if self.nonfinite == "skip_window":
             self._window_bad.assign_add(bad)
-        return [tf.where(ok, g, tf.zeros_like(g)) for g in grads], ok
+        if not mask:
+            return grads, ok
+        # g, or a broadcast scalar zero for a skipped micro-batch.
+        return [tf.where(ok, g, tf.zeros((), g.dtype)) for g in grads], ok
 
     # -- subclass hooks -------------------------------------------------------
 

@@ -277,17 +277,46 @@ class GradientAccumulation(base.AccumulationOptimizer):
             # equal share of weight: the sum over replicas is the weight.
             scale = tf.cast(weight, "float32")
             share = scale / replicas
-        grads, ok = self._screen([tf.cast(base.dense(g), "float32") for g in grads])
+        grads = [tf.cast(base.dense(g), "float32") for g in grads]
+        wgs = lambda grads: grads if unit_weight else [scale * g for g in grads]
+        if not base.in_xla():
+            self._fold_graph(accumulators, grads, wgs, share, start)
+            return
+        grads, ok = self._screen(grads)
         if ok is not None:
             # A skipped micro-batch (zeroed by `_screen`) adds no weight.
             share = share * tf.cast(ok, "float32")
-        for a, g in zip(accumulators, grads):
-            wg = g if unit_weight else scale * g
+        for a, wg in zip(accumulators, wgs(grads)):
             # S_r = w g at the window's start (whatever came before, also
             # when this micro-batch is skipped), else S_r + w g
             a.assign(tf.where(start, wg, a + wg))
         # W_r = w at the window's start, else W_r + w
         self._weight.assign(tf.where(start, share, self._weight + share))
+
+    def _fold_graph(self, accumulators, grads, wgs, share, start):
+        """The fold of `_fold` in graph mode: the same state, with branches
+        instead of masks (a `cond` costs nothing there, a mask a full pass)."""
+        grads, ok = self._screen(grads, mask=False)
+
+        def put():  # S_r = w g, W_r = w
+            for a, wg in zip(accumulators, wgs(grads)):
+                a.assign(wg)
+            self._weight.assign(share)
+
+        def add():  # S_r += w g, W_r += w
+            for a, wg in zip(accumulators, wgs(grads)):
+                a.assign_add(wg)
+            self._weight.assign_add(share)
+
+        def reset():  # A skipped first micro-batch: S_r = 0, W_r = 0.
+            for a in accumulators:
+                a.assign(tf.zeros_like(a))
+            self._weight.assign(0.0)
+
+        if ok is None:
+            tf.cond(start, put, add)
+        else:
+            tf.cond(start, lambda: tf.cond(ok, put, reset), lambda: tf.cond(ok, add, lambda: None))
 
     def _read_window(self, distribution):
         return base.read_total(self._weight)  # W, summed over replicas

@@ -94,13 +94,20 @@ class InvariantAdam(AdamFamily):
             (self._momentums[i], self._velocities[i])
             for i in map(self._get_variable_index, variables)
         ]
+        grads = [tf.cast(base.dense(g), m.dtype) for g, (m, _) in zip(grads, moments)]
+        if not base.in_xla():
+            self._fold_graph(grads, moments, replicas, start)
+            return
         # A skipped micro-batch comes back as zeros: it counts as a zero
         # gradient, and the window's decay of m and v still happens.
-        grads, _ = self._screen(
-            [tf.cast(base.dense(g), m.dtype) for g, (m, _) in zip(grads, moments)]
-        )
+        grads, _ = self._screen(grads)
         grads = self._clip_micro_batch(grads, replicas)
-        first = tf.cast(start, grads[0].dtype) if self.steps > 1 else None
+        first = tf.cast(start, grads[0].dtype) if self.steps > 1 else 1.0
+        self._fold_moments(grads, moments, replicas, first)
+
+    def _fold_moments(self, grads, moments, replicas, first):
+        """m += (1 - beta_1) (g_j / kappa - first m), v likewise with the
+        squares; `first` is 1 at the window's first micro-batch, else 0."""
         for g, (m, v) in zip(grads, moments):
             # Micro-batch j of the window contributes g_j / kappa to the
             # mean gradient; with g = g_r / replicas that is g / steps.
@@ -110,14 +117,45 @@ class InvariantAdam(AdamFamily):
             square_part = tf.square(g)
             if replicas != self.steps:
                 square_part = square_part * (replicas / self.steps)
-            if first is None:
-                # m = beta_1 m + (1 - beta_1) g (Keras's form)
-                self.assign_add(m, (mean_part - m) * (1 - self.beta_1))
-                self.assign_add(v, (square_part - v) * (1 - self.beta_2))
+            if isinstance(first, float):  # Python 1.0 or 0.0: fewer ops.
+                if first:
+                    # m = beta_1 m + (1 - beta_1) g_j / kappa (Keras's form)
+                    self.assign_add(m, (mean_part - m) * (1 - self.beta_1))
+                    self.assign_add(v, (square_part - v) * (1 - self.beta_2))
+                else:
+                    # m += (1 - beta_1) g_j / kappa
+                    self.assign_add(m, mean_part * (1 - self.beta_1))
+                    self.assign_add(v, square_part * (1 - self.beta_2))
             else:
                 # m += (1 - beta_1) (g_j / kappa - [window start] m)
                 self.assign_add(m, (mean_part - first * m) * (1 - self.beta_1))
                 self.assign_add(v, (square_part - first * v) * (1 - self.beta_2))
+
+    def _fold_graph(self, grads, moments, replicas, start):
+        """`_fold` in graph mode: the same arithmetic (x - 0 m = x exactly),
+        with branches instead of masks (a `cond` is free there, a mask a
+        full pass)."""
+        grads, ok = self._screen(grads, mask=False)
+        zeros = [tf.zeros((), g.dtype) for g in grads]
+
+        def fold(first):
+            clipped = self._clip_micro_batch(grads, replicas)
+            self._fold_moments(clipped, moments, replicas, first)
+
+        def skip(first):  # a zero gradient: only the window-start decay
+            if first:
+                self._fold_moments(zeros, moments, replicas, first)
+
+        def either(first):
+            if ok is None:
+                fold(first)
+            else:
+                tf.cond(ok, lambda: fold(first), lambda: skip(first))
+
+        if self.steps == 1:
+            either(1.0)
+        else:
+            tf.cond(start, lambda: either(1.0), lambda: either(0.0))
 
     def _update(self, distribution, variables, window):
         learning_rate = self.learning_rate

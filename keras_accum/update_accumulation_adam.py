@@ -74,8 +74,9 @@ class UpdateAccumulationAdam(AdamFamily):
         reduced = self._reduce(distribution, grads, variables)
         # Every replica now holds the same micro-step gradient: screen and
         # clip it on each (each counts the skip of its own micro-batch).
+        graph = not base.in_xla()  # branches in graph mode, masks under XLA
         reduced, ok = distribution.extended.call_for_each_replica(
-            self._prepare, args=(reduced, variables)
+            self._prepare, args=(reduced, variables, not graph)
         )
         ok = (
             None
@@ -85,13 +86,27 @@ class UpdateAccumulationAdam(AdamFamily):
         # t = micro-steps folded into the moments so far (a skip adds none)
         t = self._moment_steps.assign_add(1 if ok is None else tf.cast(ok, "int64"))
         learning_rate = self.learning_rate
-        for g, var in zip(reduced, variables):
-            distribution.extended.update(
-                var.value,
-                self._micro_update,
-                args=(g, learning_rate, t, start, ok),
-                group=False,
-            )
+
+        def step(keep):
+            for g, var in zip(reduced, variables):
+                distribution.extended.update(
+                    var.value,
+                    self._micro_update,
+                    args=(g, learning_rate, t, start, keep, graph),
+                    group=False,
+                )
+
+        if not graph or ok is None:
+            step(ok)
+            return
+
+        def skip():  # m, v, theta unchanged; A = 0 at the window's start
+            if self._updates is not None:
+                for var in variables:
+                    update = self._updates[self._get_variable_index(var)]
+                    tf.cond(start, lambda u=update: _set(u, tf.zeros_like(u)), lambda: None)
+
+        tf.cond(ok, lambda: step(None), skip)
 
     def _reduce(self, distribution, grads, variables):
         """SUM over replicas. A tensor that every replica handed in (not a
@@ -109,13 +124,13 @@ class UpdateAccumulationAdam(AdamFamily):
             next(summed) if s else g * replicas if replicas > 1 else g for g, s in zip(grads, split)
         ]
 
-    def _prepare(self, grads, variables):
+    def _prepare(self, grads, variables, mask=True):
         grads = [tf.cast(g, v.dtype) for g, v in zip(grads, variables)]
-        grads, ok = self._screen(grads)
+        grads, ok = self._screen(grads, mask=mask)
         grads = self._clip_micro_batch(grads, 1)
         return grads, (tf.constant(True) if ok is None else ok)
 
-    def _micro_update(self, variable, gradient, learning_rate, t, start, ok):
+    def _micro_update(self, variable, gradient, learning_rate, t, start, ok, graph=False):
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
         lr = tf.cast(learning_rate, variable.dtype)
@@ -139,7 +154,12 @@ class UpdateAccumulationAdam(AdamFamily):
         update = self._updates[index]
         # A = step at the window's first micro-step (whatever came before,
         # also when that micro-step is skipped), else A + step
-        update.assign(tf.where(start, adam_step, update + adam_step))
+        if graph:
+            tf.cond(
+                start, lambda: _set(update, adam_step), lambda: _set(update, adam_step, add=True)
+            )
+        else:
+            update.assign(tf.where(start, adam_step, update + adam_step))
 
     def _update(self, distribution, variables, window):
         if self._updates is None:  # steps == 1: applied in the micro-step
@@ -154,3 +174,11 @@ class UpdateAccumulationAdam(AdamFamily):
                 self.assign_sub(variable, update)
 
             distribution.extended.update(var.value, apply_update, args=(update.value,), group=False)
+
+
+def _set(variable, value, add=False):
+    """variable = value (or += value); returns None, for `tf.cond`."""
+    if add:
+        variable.assign_add(value)
+    else:
+        variable.assign(value)

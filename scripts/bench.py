@@ -1,7 +1,7 @@
 """Benchmarks the keras_accum optimizers against Keras's own accumulation.
 
-Full run (about 12 minutes on 2 cores; writes runs/bench/results.md, .json,
-samples.csv and config.json):
+Full run (about 40 minutes on 2 quiet cores, more on a busy machine;
+writes runs/bench/results.md, .json, samples.csv and config.json):
 
     python scripts/bench.py --output=runs/bench
 
@@ -9,37 +9,35 @@ Smoke test (tiny sizes, numbers meaningless):
 
     python scripts/bench.py --quick --output=/tmp/bench_quick
 
-What is measured and how: see the docstring of `keras_accum/experiments/bench.py`.
+A run in pieces (e.g. one setting at a time), reported as one:
+
+    python scripts/bench.py --settings=graph --limit_micro_batch=0 --output=runs/b1
+    python scripts/bench.py --settings=xla ... --output=runs/b2
+    python scripts/bench.py --render=runs/b1/results.json,runs/b2/results.json \\
+        --splice=BENCHMARKS.md:main
+
+Every key of the benchmark's config is a flag (`--models=cnn,mlp`,
+`--repeats=5`, `--norss`, ...; see `--help`). What is measured and how: the
+docstring of `keras_accum/experiments/bench/`.
 """
 
 import json
 import os
+import pathlib
 import shlex
 import sys
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Use the package of this checkout, whatever else is installed.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 from absl import app, flags
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from keras_accum.experiments.bench import config as bench_config
 
-
-flags.DEFINE_bool("quick", False, "Tiny sizes, for a smoke test.")
-flags.DEFINE_integer("repeats", None, "Timed rounds per (setting, model).")
-flags.DEFINE_integer("steps", None, "N: micro-batches per window.")
-flags.DEFINE_integer("micro_batch", None, "b: examples per micro-batch.")
-flags.DEFINE_integer("windows", None, "Windows per train-function call (K = steps x windows).")
-flags.DEFINE_list("models", None, "Models to run (cnn, mlp).")
-flags.DEFINE_list("contenders", None, "Contenders (see CONTENDERS).")
-flags.DEFINE_list("settings", None, "Settings: graph, xla, mirrored.")
-flags.DEFINE_float(
-    "min_sample_seconds", None, "A timed sample repeats calls until it lasts this long."
-)
-flags.DEFINE_bool("rss", None, "Measure peak RSS in one subprocess per (model, contender).")
-flags.DEFINE_bool("timing", None, "Run the timed groups (default true).")
-flags.DEFINE_bool(
-    "xla_copies",
-    None,
-    "Count the elements XLA copies per step, per (model, contender), from the optimised HLO.",
-)
+FLAGS = flags.FLAGS
+# One flag per config key (unset: keep the default).
+bench_config.SCHEMA.define_flags(FLAGS)
 flags.DEFINE_string(
     "output", None, "Directory for results.md, results.json, samples.csv and config.json."
 )
@@ -50,45 +48,33 @@ flags.DEFINE_string(
     "put the Markdown report between <!-- bench:SECTION --> "
     "and <!-- /bench:SECTION --> in FILE.",
 )
-
 flags.DEFINE_string(
     "render",
     None,
-    "A results.json of an earlier run: print (and --splice) its report again without running.",
+    "results.json of earlier runs, comma-separated: print (and --splice) their report "
+    "again without running; several are merged into one report (e.g. one run per setting).",
 )
-
-FLAGS = flags.FLAGS
 
 
 def main(argv):
-    del argv
-    from keras_accum.experiments import bench  # Imports TensorFlow.
+    if len(argv) > 1:
+        sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
+    from keras_accum.experiments import bench
 
-    overrides = {
-        name: getattr(FLAGS, name)
-        for name in (
-            "repeats",
-            "steps",
-            "micro_batch",
-            "windows",
-            "min_sample_seconds",
-            "rss",
-            "timing",
-            "xla_copies",
-        )
-        if getattr(FLAGS, name) is not None
-    }
-    for name in ("models", "contenders", "settings"):
-        if getattr(FLAGS, name):
-            overrides[name] = tuple(getattr(FLAGS, name))
+    try:
+        overrides = bench_config.SCHEMA.flag_overrides(FLAGS)
+        config = None if FLAGS.render else bench.BenchConfig(**overrides)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     if FLAGS.render:
-        # Same numbers, same command: only the presentation is redone.
-        with open(FLAGS.render) as f:
-            result = json.load(f)
-        result["targets"] = bench.evaluate_targets(result)
-        command = result.get("command")
+        # Same numbers, same commands: only the presentation is redone.
+        results = []
+        for path in FLAGS.render.split(","):
+            with open(path) as f:
+                results.append(json.load(f))
+        result = bench.merge_results(results)
+        command = result["command"]
     else:
-        config = bench.BenchConfig(quick=FLAGS.quick, **overrides)
         result = bench.run(config)
         command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     report = bench.markdown(result, command)

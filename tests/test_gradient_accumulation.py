@@ -9,6 +9,7 @@ import references
 import tensorflow as tf
 
 import keras_accum as ka
+from keras_accum import base
 
 
 def drive(optimizer, variables, micro_grads, weights=None):
@@ -287,3 +288,11 @@ class TestNonFinite:
     def test_raise(self):
         with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
             self.run("raise")
+
+
+def test_all_finite_is_exact_also_when_a_sum_overflows():
+    big = tf.fill([4], 3.0e38)  # finite elements whose float32 sum is inf
+    assert bool(base.all_finite([big, tf.ones([2])]))
+    for bad in (np.nan, np.inf, -np.inf):
+        assert not bool(base.all_finite([tf.ones([3]), tf.constant([1.0, bad])]))
+    assert not bool(base.all_finite([tf.constant([np.inf, -np.inf])]))  # sum is NaN

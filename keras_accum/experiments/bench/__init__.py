@@ -1,0 +1,105 @@
+"""Speed and memory of the keras_accum optimizers, measured side by side.
+
+`run(BenchConfig())` times, in one process, every contender
+(`contenders.CONTENDERS`) on every model (`workloads.WORKLOADS`, built from
+`experiments.models`) in every setting (`config.SETTINGS`: graph mode and
+XLA with `steps_per_execution` K and 1, MirroredStrategy on 2 logical CPUs)
+at the micro-batch b and, in `limit_settings`, at `limit_micro_batch`; it
+returns a dict that `report.markdown` and `report.write_outputs` turn into
+Markdown, JSON and CSV, with every target of the speed issue checked case by
+case (`targets`). `scripts/bench.py` is the command-line entry point.
+
+How a time is taken (`runner`, `group`):
+
+* Each contender gets its own copy of the model, compiled with
+  `steps_per_execution = K = steps * windows` (or 1), so that one call of
+  Keras's `model.train_function(iterator)` runs K micro-batches (N of them
+  per window) in a `tf.while_loop` inside one `tf.function`: this is the
+  code `model.fit` runs, without its per-epoch bookkeeping. `model.fit`
+  itself does the warm-up. One *sample* is `calls` back-to-back calls
+  (calibrated so that a sample lasts about `min_sample_seconds`), divided by
+  the number of micro-batches it ran.
+* The contenders are sampled round-robin, the first one rotating each round;
+  a ratio is the median over rounds of per-round ratios (quartiles as its
+  spread). Data are N distinct random micro-batches cached in memory.
+* The "big batch" contender is plain Adam on batches of N x b. The *limit*
+  is N forward/backward passes whose gradients are read once and dropped
+  (`gradients_only`) plus one Adam update, per micro-batch.
+* Traces are counted with a Python counter around `model.train_step` and
+  the tracing counts of the `tf.function`s inside `model.train_function`;
+  after warm-up, and after the learning rate (or `steps`, where it is a
+  variable) changes, the count must not move.
+* Under MirroredStrategy the cross-replica reductions are counted while
+  tracing, split into those that run every micro-step and those inside a
+  conditional (the window's end).
+* Optimizer memory is the sum of the sizes of `optimizer.variables`, scalars
+  excluded, per trainable parameter; peak RSS (VmHWM) and the XLA copies of
+  the compiled step are taken in a fresh subprocess per (model, contender)
+  (`memory`, `worker`); MirroredStrategy groups run in a subprocess too.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from keras_accum.experiments.bench.config import SETTINGS, BenchConfig, Setting  # noqa: E402
+from keras_accum.experiments.bench.contenders import (  # noqa: E402
+    CONTENDERS,
+    Contender,
+    GradientsOnly,
+    register,
+)
+from keras_accum.experiments.bench.costs import COST_MODEL, cost_rows, modelled_bytes  # noqa: E402
+from keras_accum.experiments.bench.group import run_group  # noqa: E402
+from keras_accum.experiments.bench.report import (  # noqa: E402
+    COPY_COLUMNS,
+    COST_COLUMNS,
+    MEMORY_COLUMNS,
+    RATIO_COLUMNS,
+    REDUCTION_COLUMNS,
+    SUMMARY_COLUMNS,
+    TARGET_COLUMNS,
+    markdown,
+    splice_markdown,
+    write_outputs,
+)
+from keras_accum.experiments.bench.runner import FitRunner  # noqa: E402
+from keras_accum.experiments.bench.suite import machine_info, merge_results, run  # noqa: E402
+from keras_accum.experiments.bench.targets import TARGETS, evaluate_targets, summarize  # noqa: E402
+from keras_accum.experiments.bench.worker import run_worker  # noqa: E402
+from keras_accum.experiments.bench.workloads import WORKLOADS, Workload  # noqa: E402
+
+__all__ = [
+    "COPY_COLUMNS",
+    "COST_COLUMNS",
+    "COST_MODEL",
+    "CONTENDERS",
+    "Contender",
+    "BenchConfig",
+    "FitRunner",
+    "GradientsOnly",
+    "MEMORY_COLUMNS",
+    "RATIO_COLUMNS",
+    "REDUCTION_COLUMNS",
+    "SETTINGS",
+    "SUMMARY_COLUMNS",
+    "Setting",
+    "TARGETS",
+    "TARGET_COLUMNS",
+    "WORKLOADS",
+    "Workload",
+    "cost_rows",
+    "evaluate_targets",
+    "machine_info",
+    "markdown",
+    "merge_results",
+    "modelled_bytes",
+    "register",
+    "run",
+    "run_group",
+    "run_worker",
+    "splice_markdown",
+    "summarize",
+    "write_outputs",
+]

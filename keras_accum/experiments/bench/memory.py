@@ -1,0 +1,107 @@
+"""Peak memory and XLA copies, each measured in a fresh process per
+(model, contender) (see `worker`)."""
+
+import glob
+import os
+import re
+import resource
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_accum.experiments.bench.config import SETTINGS
+from keras_accum.experiments.bench.contenders import CONTENDERS
+from keras_accum.experiments.bench.runner import FitRunner
+from keras_accum.experiments.bench.workloads import WORKLOADS
+
+
+def memory_mb():
+    """(current RSS, peak RSS) of this process in MB.
+
+    From /proc/self/status (VmRSS, VmHWM): the high-water mark of this
+    process's own address space. `resource.getrusage().ru_maxrss` is not
+    usable in a child: Linux carries the parent's peak across fork + exec
+    into it (a 2 GB parent gives every worker a 2 GB "peak").
+    """
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return (int(fields["VmRSS"].split()[0]) / 1024.0, int(fields["VmHWM"].split()[0]) / 1024.0)
+    except (OSError, KeyError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        return peak, peak
+
+
+def measure_rss(model_name, contender_name, config):
+    """In a fresh process: RSS once TensorFlow, the model and the data are
+    up (baseline), and the peak after warm-up and a few training calls, in
+    graph mode at micro-batch `config.micro_batch`."""
+    workload = WORKLOADS[model_name]
+    keras.utils.set_random_seed(config.seed)
+    x, _ = workload.data(1, config.quick, np.random.default_rng(config.seed))
+    workload.build(config.quick)(x)
+    baseline, _ = memory_mb()
+    runner = FitRunner(
+        workload,
+        CONTENDERS[contender_name],
+        config,
+        tf.distribute.get_strategy(),
+        SETTINGS["graph"],
+        config.micro_batch,
+    )
+    runner.call(2)
+    _, peak = memory_mb()
+    return {"baseline_mb": baseline, "peak_mb": peak, "bytes_per_param": runner.bytes_per_param}
+
+
+# A copy instruction's output shape, e.g. "%copy.3 = f32[1024,2048]{1,0} copy(".
+_COPY = re.compile(r"= f32\[([\d,]*)\]\S* copy\(")
+
+
+def count_copies(hlo_lines):
+    """Elements moved by `copy` instructions in an optimised HLO module,
+    split by where they run: "entry" (the entry computation: every step),
+    "branches" (in a computation named after a `tf.cond` branch: when the
+    branch is taken) and "other" (fusions, loop bodies, ...)."""
+    counts = {"entry": 0, "branches": 0, "other": 0}
+    where = None
+    for line in hlo_lines:
+        if line.endswith("{\n") and not line.startswith(" "):
+            name = line.split(" ", 1)[0]
+            if line.startswith("ENTRY"):
+                where = "entry"
+            elif "_cond" in name or "cond_" in name:
+                where = "branches"  # tf.cond branches keep their names.
+            else:
+                where = "other"
+        match = _COPY.search(line)
+        if match and where:
+            dims = [int(d) for d in match.group(1).split(",") if d]
+            counts[where] += int(np.prod(dims)) if dims else 1
+    return counts
+
+
+def measure_xla_copies(model_name, contender_name, config, dump_dir):
+    """Compiles one contender's step with XLA (in a child whose XLA_FLAGS
+    dump the optimised HLO to `dump_dir`) and counts the elements its `copy`
+    instructions move, per trainable parameter.
+
+    A fused in-place update needs no copy; each parameter-sized copy reads
+    and writes 8 bytes per parameter.
+    """
+    runner = FitRunner(
+        WORKLOADS[model_name],
+        CONTENDERS[contender_name],
+        config,
+        tf.distribute.get_strategy(),
+        SETTINGS["xla"],
+        config.micro_batch,
+    )
+    pattern = os.path.join(dump_dir, "*one_step_on_data*after_optimizations.txt")
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise RuntimeError(f"No optimised HLO dumped under {dump_dir}.")
+    with open(files[-1]) as f:
+        counts = count_copies(f)
+    return {key: value / runner.params for key, value in counts.items()}

@@ -1,0 +1,282 @@
+"""The Markdown report of a run, its files, and splicing into BENCHMARKS.md."""
+
+import csv
+import json
+import os
+
+from keras_accum.experiments.bench.costs import cost_rows
+from keras_accum.experiments.bench.targets import TARGETS, summarize
+
+RATIO_COLUMNS = (
+    "setting",
+    "model",
+    "b",
+    "optimizer",
+    "ms / micro-batch",
+    "examples/s",
+    "vs Keras accumulation",
+    "vs Adam",
+    "vs big batch",
+    "vs limit",
+    "retraces",
+)
+SUMMARY_COLUMNS = ("target", "result", "numbers")
+TARGET_COLUMNS = ("target", "setting", "model", "b", "optimizer", "measured", "limit", "met")
+MEMORY_COLUMNS = (
+    "model",
+    "optimizer",
+    "optimizer bytes / param",
+    "float32 slots",
+    "peak RSS MB",
+    "RSS over baseline MB",
+)
+COST_COLUMNS = (
+    "optimizer",
+    "modelled bytes/param/micro-step, fused",
+    "modelled bytes/param/micro-step, TF ops",
+    "measured ns/param/micro-step beyond gradients_only",
+    "implied GB/s (TF ops beyond gradients_only)",
+)
+REDUCTION_COLUMNS = (
+    "model",
+    "optimizer",
+    "reductions every micro-step (calls, elements / params)",
+    "in conditionals (calls, elements / params)",
+    "elements / params per window",
+)
+COPY_COLUMNS = (
+    "model",
+    "optimizer",
+    "copied elements / params: every step (entry)",
+    "in conditional branches",
+    "elsewhere (fusions, loops)",
+)
+
+
+def table(columns, lines):
+    out = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    out += ["| " + " | ".join(str(c).replace("|", "/") for c in line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def _num(value, fmt):
+    return "-" if value is None else format(value, fmt)
+
+
+def _fmt_ratio(value):
+    if value is None:
+        return "-"
+    return f"{value['median']:.2f} ({value['q25']:.2f}-{value['q75']:.2f})"
+
+
+def _b(row, config):
+    return row.get("micro_batch") or config["micro_batch"]
+
+
+def _ratio_section(result):
+    lines = []
+    for row in result["rows"]:
+        head = [row["setting"], row["model"], _b(row, result["config"]), row["contender"]]
+        if "error" in row:
+            failed = "failed: " + row["error"][:120]
+            lines.append(head + [failed] + ["-"] * (len(RATIO_COLUMNS) - 5))
+            continue
+        r = row["ratios"]
+        lines.append(
+            head
+            + [
+                f"{1e3 * row['seconds_per_micro_batch']:.3f}",
+                f"{row['examples_per_second']:.0f}",
+                _fmt_ratio(r["vs_keras_accumulation"]),
+                _fmt_ratio(r["vs_adam"]),
+                _fmt_ratio(r["vs_big_batch"]),
+                _fmt_ratio(r["vs_limit"]),
+                row["retraces"],
+            ]
+        )
+    return ["### Time per micro-batch and ratios", "", table(RATIO_COLUMNS, lines), ""]
+
+
+def _summary_section(result):
+    lines = []
+    for s in summarize(result["targets"]):
+        verdict = {"missed": "**missed**"}.get(s["verdict"], s["verdict"])
+        lines.append([s["target"], verdict, s["numbers"]])
+    return ["### Summary: the targets", "", table(SUMMARY_COLUMNS, lines), ""]
+
+
+def _targets_section(result):
+    lines = []
+    for t in result["targets"]:
+        met = {True: "met", False: "**missed**", None: "n/a"}[t["met"]]
+        if t["note"]:
+            met += " (" + t["note"][:80] + ")"
+        value, limit = t["value"], t["threshold"]
+        lines.append(
+            [
+                TARGETS[t["target"]][0],
+                t["setting"],
+                t["model"],
+                t["micro_batch"] or "-",
+                t["contender"],
+                "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else value),
+                "-" if limit is None else (f"{limit:.2f}" if isinstance(limit, float) else limit),
+                met,
+            ]
+        )
+    return ["### Targets, case by case", "", table(TARGET_COLUMNS, lines), ""]
+
+
+def _memory_section(result):
+    config = result["config"]
+    lines = []
+    for row in result["rows"]:
+        main = _b(row, config) == config["micro_batch"]
+        if row["setting"] != "graph" or not main or "bytes_per_param" not in row:
+            continue
+        rss = row.get("rss") or {}
+        peak = rss.get("peak_mb")
+        lines.append(
+            [
+                row["model"],
+                row["contender"],
+                f"{row['bytes_per_param']:.2f}",
+                f"{row['bytes_per_param'] / 4:.2f}",
+                _num(peak, ".0f"),
+                "-" if peak is None else f"{peak - rss['baseline_mb']:.0f}",
+            ]
+        )
+    if not lines:
+        return []
+    return ["### Memory", "", table(MEMORY_COLUMNS, lines), ""]
+
+
+def _cost_section(result):
+    lines = [
+        [
+            f"{c['model']}: {c['contender']}",
+            _num(c["fused"], ".1f"),
+            _num(c["ops"], ".1f"),
+            _num(c["ns_per_param"], ".2f"),
+            _num(c["implied_gb_s"], ".1f"),
+        ]
+        for c in cost_rows(result)
+    ]
+    if not lines:
+        return []
+    title = "### Cost model beside the measurement (graph mode)"
+    return [title, "", table(COST_COLUMNS, lines), ""]
+
+
+def _reduction_section(result):
+    steps = result["config"]["steps"]
+    lines = []
+    for row in result["rows"]:
+        counts = row.get("reductions")
+        if counts is None:
+            continue
+        every = counts.get("every_step_elements", 0) / row["params"]
+        cond = counts.get("conditional_elements", 0) / row["params"]
+        lines.append(
+            [
+                row["model"],
+                row["contender"],
+                f"{counts.get('every_step_calls', 0)}, {every:.4f}",
+                f"{counts.get('conditional_calls', 0)}, {cond:.4f}",
+                f"{steps * every + cond:.4f}",
+            ]
+        )
+    if not lines:
+        return []
+    title = "### Cross-replica reductions traced in the step (MirroredStrategy)"
+    return [title, "", table(REDUCTION_COLUMNS, lines), ""]
+
+
+def _copies_section(result):
+    lines = []
+    for c in result.get("xla_copies") or ():
+        if "error" in c:
+            lines.append([c["model"], c["contender"], "failed", "-", "-"])
+            continue
+        entry, branches, other = c["entry"], c["branches"], c.get("other", 0)
+        lines.append(
+            [c["model"], c["contender"], f"{entry:.2f}", f"{branches:.2f}", f"{other:.2f}"]
+        )
+    if not lines:
+        return []
+    title = "### XLA copies in the compiled step (elements / parameters)"
+    return [title, "", table(COPY_COLUMNS, lines), ""]
+
+
+def _machine_section(result, command):
+    machine = result["machine"]
+    parts = [
+        "### Machine",
+        "",
+        f"* `nproc`: {machine['nproc']}; CPU: {machine['cpu']}",
+        f"* TensorFlow {machine['tensorflow']}, Keras {machine['keras']}, "
+        f"Python {machine['python']}, keras_accum {machine['keras_accum']}",
+        f"* {machine['platform']}",
+        f"* wall time of the run: {result['seconds']:.0f} s",
+    ]
+    if "load" in machine:
+        parts.append(f"* load average (1, 5, 15 min) at the start of each run: {machine['load']}")
+    parts.append("")
+    if command:
+        parts += ["### Command", "", "```", command, "```", ""]
+    return parts
+
+
+def markdown(result, command=None):
+    """The Markdown report of a run: machine, command, tables."""
+    config = result["config"]
+    parts = _machine_section(result, command)
+    if result["rows"]:
+        parts += [
+            f"N = {config['steps']} micro-batches per window, b = examples per "
+            f"micro-batch, {config['repeats']} rounds; ratios are medians of "
+            "per-round ratios (quartiles in brackets); < 1 means faster.",
+            "",
+        ]
+    parts += _summary_section(result)
+    if result["rows"]:
+        parts += _ratio_section(result)
+    parts += _targets_section(result)
+    for section in (_memory_section, _cost_section, _reduction_section, _copies_section):
+        parts += section(result)
+    return "\n".join(parts)
+
+
+def write_outputs(result, directory, command=None):
+    """Writes results.md, results.json, samples.csv and config.json."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "results.md"), "w") as f:
+        f.write(markdown(result, command))
+    with open(os.path.join(directory, "results.json"), "w") as f:
+        json.dump(dict(result, command=command), f, indent=1)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({"command": command, "config": result["config"]}, f, indent=1)
+    with open(os.path.join(directory, "samples.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(
+            ["setting", "model", "micro_batch", "contender", "round", "seconds_per_micro_batch"]
+        )
+        for row in result["rows"]:
+            b = _b(row, result["config"])
+            for i, value in enumerate(row.get("samples", ())):
+                writer.writerow([row["setting"], row["model"], b, row["contender"], i, value])
+
+
+def splice_markdown(path, section, text):
+    """Replaces the text between `<!-- bench:SECTION -->` and
+    `<!-- /bench:SECTION -->` in `path` (BENCHMARKS.md) with `text`, so that
+    the numbers there are the script's output, never edited by hand."""
+    begin, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
+    with open(path) as f:
+        content = f.read()
+    if begin not in content or end not in content:
+        raise ValueError(f"{path} has no {begin} ... {end} section.")
+    head, rest = content.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{begin}\n{text.strip()}\n{end}{tail}")
