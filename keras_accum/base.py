@@ -47,7 +47,8 @@ import keras
 import tensorflow as tf
 from keras import initializers, optimizers
 
-from keras_accum.validation import check_choice, check_int
+from keras_accum import schedules
+from keras_accum.validation import check_choice
 
 NONFINITE_POLICIES = ("skip_micro_batch", "skip_window", "raise", None)
 
@@ -83,7 +84,7 @@ class AccumulationOptimizer(optimizers.Optimizer):
 
     def __init__(self, learning_rate, steps=1, nonfinite="skip_micro_batch", **kwargs):
         super().__init__(learning_rate=learning_rate, **kwargs)
-        self.steps = check_int("steps", steps)
+        self.steps = schedules.check_steps(steps)
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
 
     def build(self, var_list):
@@ -104,6 +105,7 @@ class AccumulationOptimizer(optimizers.Optimizer):
             name="skipped_updates",
         )
         self._window_bad = self.add_local_variable((), dtype="int64", name="window_bad")
+        self._build_window()
 
     def add_local_variable(self, shape, dtype, name, reference=None):
         """A replica-local variable: each replica holds its own part and a
@@ -148,7 +150,45 @@ class AccumulationOptimizer(optimizers.Optimizer):
         """True when the last `apply` call ended a window (an update was
         applied, or dropped under a `skip_*` policy and counted)."""
         step = self._micro_step
-        return tf.logical_and(step > 0, step % self.steps == 0)
+        return tf.logical_and(step > 0, self._window_done(step))
+
+    # -- the window size ----------------------------------------------------
+
+    def _build_window(self):
+        """With a schedule: the current window's size and end micro-step,
+        fixed when the window starts (checkpointed), and its own state."""
+        if not isinstance(self.steps, schedules.StepsSchedule):
+            return
+        counter = dict(dtype="int64", aggregation="only_first_replica")
+        self._window_size = self.add_variable((), name="window_steps", **counter)
+        self._window_end = self.add_variable((), name="window_end", **counter)
+        self.steps.build(self)
+
+    @property
+    def window_steps(self):
+        """Micro-batches per replica of the current window: `steps`, or with
+        a schedule the value it gave when the window started (a variable)."""
+        if isinstance(self.steps, schedules.StepsSchedule):
+            return self._window_size
+        return self.steps
+
+    def _start_window(self):
+        """Cross-replica: True at a window's first micro-batch. A schedule is
+        read there, and its value holds until the window ends."""
+        step = tf.convert_to_tensor(self._micro_step)
+        if not isinstance(self.steps, schedules.StepsSchedule):
+            return tf.equal(step % self.steps, 0)
+        start = step >= self._window_end
+        size = tf.where(start, self.steps(step), self._window_size)
+        self._window_size.assign(size)
+        self._window_end.assign(tf.where(start, step + size, self._window_end))
+        return start
+
+    def _window_done(self, micro_step):
+        """True when `micro_step` micro-batches complete the current window."""
+        if not isinstance(self.steps, schedules.StepsSchedule):
+            return tf.equal(micro_step % self.steps, 0)
+        return tf.equal(micro_step, self._window_end)
 
     # -- the step -----------------------------------------------------------
 
@@ -200,14 +240,14 @@ class AccumulationOptimizer(optimizers.Optimizer):
 
     def _merge_apply(self, distribution, grads, trainable_variables, weight):
         # Cross-replica context from here on: `grads` are per-replica values.
-        window_start = tf.equal(self._micro_step % self.steps, 0)
+        window_start = self._start_window()
         self._accumulate(distribution, grads, trainable_variables, weight, window_start)
         micro_step = self._micro_step.assign_add(1)
         if self.steps == 1:
             self._end_window(distribution, trainable_variables)
         else:
             tf.cond(
-                tf.equal(micro_step % self.steps, 0),
+                self._window_done(micro_step),
                 lambda: self._end_window(distribution, trainable_variables),
                 lambda: None,
             )
@@ -304,7 +344,7 @@ class AccumulationOptimizer(optimizers.Optimizer):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"steps": self.steps, "nonfinite": self.nonfinite})
+        config.update({"steps": schedules.serialize_steps(self.steps), "nonfinite": self.nonfinite})
         return config
 
 
