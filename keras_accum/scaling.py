@@ -17,12 +17,21 @@ when kappa * (1 - beta) >= 1. The linear beta rule is refused there, never
 clipped silently.
 """
 
-import math
+from __future__ import annotations
+
+from keras_accum.validation import check_choice, check_float
 
 RULES = ("invariant", "sqrt", "power")
 
 
-def scale_hyperparameters(kappa, rule, learning_rate, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+def scale_hyperparameters(
+    kappa: float,
+    rule: str,
+    learning_rate: float,
+    beta_1: float = 0.9,
+    beta_2: float = 0.999,
+    epsilon: float = 1e-7,
+) -> dict[str, float]:
     """Scales Adam hyperparameters from kappa = 1 to `kappa` micro-batches.
 
     Args:
@@ -34,41 +43,40 @@ def scale_hyperparameters(kappa, rule, learning_rate, beta_1=0.9, beta_2=0.999, 
         dict with keys learning_rate, beta_1, beta_2, epsilon.
 
     Example:
-        >>> scale_hyperparameters(kappa=4, rule="invariant",
-        ...                       learning_rate=1e-3, beta_1=0.9)["beta_1"]
-        0.6
-    """
-    if (
-        isinstance(kappa, bool)
-        or not isinstance(kappa, (int, float))
-        or not (kappa > 0 and math.isfinite(kappa))
-    ):
-        raise ValueError(f"`kappa` must be a finite number > 0. Received: kappa={kappa!r}")
-    if rule not in RULES:
-        raise ValueError(
-            f"`rule` must be one of {', '.join(map(repr, RULES))}. Received: rule={rule!r}"
-        )
+        >>> hp = scale_hyperparameters(kappa=4, rule="invariant",
+        ...                            learning_rate=1e-3, beta_1=0.9)
+        >>> round(hp["learning_rate"], 12), round(hp["beta_1"], 12)
+        (0.004, 0.6)
+        >>> scale_hyperparameters(kappa=16, rule="invariant", learning_rate=1e-3)
+        Traceback (most recent call last):
+        ...
+        ValueError: kappa * (1 - beta_1) = 1.6 >= 1 makes the linear rule meaningless (beta_1 <= 0). Use rule='power' (beta_1 ** kappa) or a smaller kappa. Received: kappa=16, beta_1=0.9
+    """  # noqa: E501
+    kappa_value = check_float("kappa", kappa, minimum=0.0, open_minimum=True)
+    check_choice("rule", rule, RULES)
+    check_float("learning_rate", learning_rate, minimum=0.0)
+    check_float("epsilon", epsilon, minimum=0.0)
     betas = {"beta_1": beta_1, "beta_2": beta_2}
     for name, beta in betas.items():
-        if not 0 <= beta < 1:
-            raise ValueError(f"`{name}` must be in [0, 1). Received: {name}={beta!r}")
+        check_float(name, beta, minimum=0.0, maximum=1.0, open_maximum=True)
     if rule == "power":
-        scaled_betas = {name: beta**kappa for name, beta in betas.items()}
+        # beta' = beta ** kappa
+        scaled_betas = {name: beta**kappa_value for name, beta in betas.items()}
     else:
         scaled_betas = {}
         for name, beta in betas.items():
             # With a rounding margin: 10 * (1 - 0.9) is 0.9999999999999998.
-            if kappa * (1 - beta) >= 1 - 1e-9:
+            if kappa_value * (1 - beta) >= 1 - 1e-9:
                 raise ValueError(
-                    f"kappa * (1 - {name}) = {kappa * (1 - beta):g} >= 1 makes "
+                    f"kappa * (1 - {name}) = {kappa_value * (1 - beta):g} >= 1 makes "
                     f"the linear rule meaningless ({name} <= 0). Use "
                     f"rule='power' ({name} ** kappa) or a smaller kappa. "
                     f"Received: kappa={kappa!r}, {name}={beta!r}"
                 )
             # 1 - beta' = kappa * (1 - beta)
-            scaled_betas[name] = 1 - kappa * (1 - beta)
-    lr_factor = math.sqrt(kappa) if rule == "sqrt" else kappa
-    eps_factor = 1 / math.sqrt(kappa) if rule == "sqrt" else 1
+            scaled_betas[name] = 1 - kappa_value * (1 - beta)
+    lr_factor = kappa_value**0.5 if rule == "sqrt" else kappa_value
+    eps_factor = kappa_value**-0.5 if rule == "sqrt" else 1
     return {
         "learning_rate": learning_rate * lr_factor,
         **scaled_betas,

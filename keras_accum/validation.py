@@ -18,6 +18,7 @@ ValueError: `rule` must be one of 'invariant', 'sqrt', 'power'. Received: rule='
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,20 +43,21 @@ def check_float(
 
     The bounds are closed unless `open_minimum` / `open_maximum` is set.
     """
-    low = "(" if open_minimum else "["
-    high = ")" if open_maximum else "]"
-    span = ""
-    if minimum is not None or maximum is not None:
-        lo = "-inf" if minimum is None else repr(minimum)
-        hi = "inf" if maximum is None else repr(maximum)
-        span = f" in {low}{lo}, {hi}{high}"
+    if minimum is not None and maximum is not None:
+        low = "(" if open_minimum else "["
+        high = ")" if open_maximum else "]"
+        span = f" in {low}{minimum!r}, {maximum!r}{high}"
+    elif minimum is not None:
+        span = f" {'>' if open_minimum else '>='} {minimum!r}"
+    elif maximum is not None:
+        span = f" {'<' if open_maximum else '<='} {maximum!r}"
+    else:
+        span = ""
     error = ValueError(f"`{name}` must be a finite number{span}. Received: {name}={value!r}")
-    if isinstance(value, bool):
+    # Numbers only: a string such as "1e-3" is a config mistake, not a float.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise error
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise error from None
+    number = float(value)
     if not math.isfinite(number):
         raise error
     if minimum is not None and (number < minimum or (open_minimum and number == minimum)):

@@ -1,6 +1,6 @@
 """Batch-size invariance study: curves versus examples seen for kappa
 micro-batches per update, four ways of rescaling Adam (see
-keras_accum/experiments/invariance.py and docs/INVARIANCE.md).
+keras_accum/experiments/invariance/ and docs/INVARIANCE.md).
 
     python scripts/invariance.py --config saved_configs/invariance.py \
         --variant quick --workdir runs/invariance-quick
