@@ -46,10 +46,34 @@ class InvariantAdam(base.AdamFamily):
       without extra buffers); `"skip_window"` is therefore not offered.
     * `weight_decay` is decoupled (AdamW style), applied once per update.
 
+    **Changing kappa during a run.** `steps` may be a schedule
+    (`keras_accum.PiecewiseSteps`, `keras_accum.AdaptiveSteps`); each window
+    k then has its own kappa_k, fixed when it starts. With a `scaling_rule`,
+    `learning_rate`, `beta_1`, `beta_2` and `epsilon` are the values tuned
+    for ONE micro-batch per update and window k uses
+
+        lr_k = kappa_k * lr
+        1 - beta_i,k = kappa_k * (1 - beta_i)   ("invariant")
+        beta_i,k = beta_i ** kappa_k            ("power")
+        P_i = prod over windows so far of beta_i,k   (state, checkpointed)
+        alpha_k = lr_k * sqrt(1 - P_2) / (1 - P_1)
+
+    (epsilon unchanged). With a constant kappa P_i = beta_i,k ** k, i.e.
+    `InvariantAdam(**scale_hyperparameters(kappa, rule, ...))`; after a
+    switch, P keeps the betas the earlier windows really used. A
+    learning-rate schedule is then evaluated at the number of micro-batches
+    consumed over all replicas before the window, so one written for
+    kappa = 1 keeps its meaning. "invariant" is refused (naming the beta)
+    when a window of the schedule would make a beta <= 0; "power" never is.
+
     Args:
-        learning_rate: float, schedule (sees the update count) or callable.
+        learning_rate: float, schedule (sees the update count, or with a
+            `scaling_rule` the micro-batches consumed) or callable.
         beta_1, beta_2, epsilon: as in `keras.optimizers.Adam`.
-        steps: micro-batches per update on each replica (integer >= 1).
+        steps: micro-batches per update on each replica: an integer >= 1 or
+            a schedule (`keras_accum.PiecewiseSteps`, `AdaptiveSteps`).
+        scaling_rule: None (the hyperparameters are used as given, whatever
+            kappa), "invariant" or "power" (see above).
         nonfinite: `"skip_micro_batch"`, `"raise"` or None.
         weight_decay: optional decoupled weight decay.
         name: optimizer name.

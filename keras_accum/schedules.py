@@ -194,7 +194,8 @@ class AdaptiveSteps(StepsSchedule):
 
     def observe(self, b_simple: Any) -> tf.Tensor:
         """Feeds one noise-scale estimate; returns the new window size."""
-        steps = self._steps.assign(self.propose(b_simple))
+        proposed = self.propose(b_simple)  # checks that it is built
+        steps = self._steps.assign(proposed)
         if tf.executing_eagerly():
             self.decisions.append(
                 (int(self._optimizer.micro_step.numpy()), float(b_simple), int(steps.numpy()))

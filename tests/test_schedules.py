@@ -340,3 +340,53 @@ def test_mirrored_update_accumulation_adam_with_schedule():
     reference = fit(lambda: make(ka.PiecewiseSteps([2], [1, 2])), 8)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- AdaptiveSteps ------------------------------------------------------------
+
+
+def test_adaptive_steps_follow_the_noise_scale_and_never_decrease():
+    schedule = ka.AdaptiveSteps(min_steps=1, max_steps=8, micro_batch_size=32)
+    opt = ka.InvariantAdam(0.01, steps=schedule, scaling_rule="power")
+    opt.build([keras.Variable(np.zeros(2, "float32"))])
+    assert int(schedule(0)) == 1
+    # steps = max(steps, clip(ceil(B_simple / 32), 1, 8))
+    for b_simple, expected in [
+        (float("nan"), 1),  # no estimate yet: unchanged
+        (70.0, 3),
+        (40.0, 3),  # never decreasing
+        (float("inf"), 8),  # signal not resolved: the largest window
+        (1e6, 8),
+    ]:
+        assert int(schedule.observe(b_simple)) == expected
+    assert [d[2] for d in schedule.decisions] == [1, 3, 3, 8, 8]
+    assert schedule.decisions[1][1] == 70.0
+    with pytest.raises(ValueError, match="max_steps"):
+        ka.AdaptiveSteps(min_steps=4, max_steps=2)
+    with pytest.raises(ValueError, match="not built"):
+        ka.AdaptiveSteps().observe(3.0)
+
+
+def test_adaptive_steps_change_at_window_starts_and_are_saved(tmp_path):
+    model = build_model()
+    model.compile(optimizer=MAKERS["invariant_adam"](ka.AdaptiveSteps(1, 4, 4)), loss="mse")
+    opt = model.optimizer
+
+    def fit_batches(model, lo, hi):
+        model.fit(X[4 * lo : 4 * hi], Y[4 * lo : 4 * hi], batch_size=4, shuffle=False, verbose=0)
+
+    fit_batches(model, 0, 2)  # two windows of 1
+    opt.steps.observe(7.0)  # ceil(7 / 4) = 2 from the next window on
+    fit_batches(model, 2, 3)  # first micro-batch of a window of 2
+    assert int(opt.window_steps) == 2 and int(opt.iterations) == 2
+    opt.steps.observe(16.0)  # 4, but the window in progress keeps 2
+    model.save(str(tmp_path / "adaptive.keras"))
+    fit_batches(model, 3, 8)  # ends the window of 2, then one of 4
+    assert int(opt.window_steps) == 4 and int(opt.iterations) == 4
+
+    restored = keras.models.load_model(str(tmp_path / "adaptive.keras"))
+    assert int(restored.optimizer.steps.steps) == 4
+    assert int(restored.optimizer.window_steps) == 2
+    fit_batches(restored, 3, 8)
+    for a, b in zip(restored.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
