@@ -79,7 +79,7 @@ def assign_total(variable, value):
     variable.value.assign(tf.cast(value, variable.dtype), read_value=False)
 
 
-class AccumulationOptimizer(optimizers.Optimizer):
+class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
     """Base class: one micro-batch per `apply`, one update per window."""
 
     def __init__(self, learning_rate, steps=1, nonfinite="skip_micro_batch", **kwargs):
@@ -151,44 +151,6 @@ class AccumulationOptimizer(optimizers.Optimizer):
         applied, or dropped under a `skip_*` policy and counted)."""
         step = self._micro_step
         return tf.logical_and(step > 0, self._window_done(step))
-
-    # -- the window size ----------------------------------------------------
-
-    def _build_window(self):
-        """With a schedule: the current window's size and end micro-step,
-        fixed when the window starts (checkpointed), and its own state."""
-        if not isinstance(self.steps, schedules.StepsSchedule):
-            return
-        counter = dict(dtype="int64", aggregation="only_first_replica")
-        self._window_size = self.add_variable((), name="window_steps", **counter)
-        self._window_end = self.add_variable((), name="window_end", **counter)
-        self.steps.build(self)
-
-    @property
-    def window_steps(self):
-        """Micro-batches per replica of the current window: `steps`, or with
-        a schedule the value it gave when the window started (a variable)."""
-        if isinstance(self.steps, schedules.StepsSchedule):
-            return self._window_size
-        return self.steps
-
-    def _start_window(self):
-        """Cross-replica: True at a window's first micro-batch. A schedule is
-        read there, and its value holds until the window ends."""
-        step = tf.convert_to_tensor(self._micro_step)
-        if not isinstance(self.steps, schedules.StepsSchedule):
-            return tf.equal(step % self.steps, 0)
-        start = step >= self._window_end
-        size = tf.where(start, self.steps(step), self._window_size)
-        self._window_size.assign(size)
-        self._window_end.assign(tf.where(start, step + size, self._window_end))
-        return start
-
-    def _window_done(self, micro_step):
-        """True when `micro_step` micro-batches complete the current window."""
-        if not isinstance(self.steps, schedules.StepsSchedule):
-            return tf.equal(micro_step % self.steps, 0)
-        return tf.equal(micro_step, self._window_end)
 
     # -- the step -----------------------------------------------------------
 
