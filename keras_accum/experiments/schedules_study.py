@@ -177,7 +177,12 @@ class ScheduleTrainer(Trainer):
 
 
 def _kappa(optimizer):
-    return int(tf.convert_to_tensor(optimizer.window_steps).numpy())
+    """The window size in force (before the first window: the first one's)."""
+    if isinstance(optimizer.steps, int):
+        return optimizer.steps
+    if int(optimizer.micro_step.numpy()) == 0:
+        return int(optimizer.steps(0).numpy())
+    return int(optimizer.window_steps.numpy())
 
 
 def _train_chunk(gradient_fn, optimizer, variables, xs, ys):
