@@ -26,8 +26,10 @@ WINDOW = MAX_STEPS * MICRO_BATCH  # 512: evaluation points are multiples
 
 
 def get_config(variant="full"):
-    if variant not in ("full", "smoke"):
-        raise ValueError(f"`variant` must be 'full' or 'smoke'. Received: variant={variant!r}")
+    if variant not in ("full", "smoke", "charlm"):
+        raise ValueError(
+            f"`variant` must be 'full', 'smoke' or 'charlm'. Received: variant={variant!r}"
+        )
     config = {
         "dataset": "mnist1d",
         "model": "mlp",
@@ -50,6 +52,24 @@ def get_config(variant="full"):
             probe_every=2 * WINDOW,
             switch_learning_rates=[1e-4, 1e-3, 1e-2],
             adaptive_learning_rates=[3e-4, 1e-3],
+        )
+    elif variant == "charlm":
+        # The character-level transformer LM (keras_accum.experiments.charlm):
+        # micro-batch 16 sequences of 64 characters, 8192 sequences per run
+        # (2 epochs), switch at 4096; small lr only, no adaptive runs.
+        config.update(
+            dataset="char_corpus",
+            micro_batch_size=16,
+            adaptive_max_steps=8,
+            switch_methods=["invariant", "sqrt"],
+            seeds=[0, 1],
+            train_examples=8192,
+            switch_examples=4096,
+            eval_every=512,
+            probe_every=512,
+            train_eval_examples=256,
+            switch_learning_rates=[3e-4],
+            adaptive_learning_rates=[],
         )
     else:
         config.update(

@@ -30,7 +30,7 @@ flags.DEFINE_string(
     "saved_configs/batch_size_schedules.py",
     "saved_configs/*.py file or a run folder's config.json.",
 )
-flags.DEFINE_enum("variant", "full", ["full", "smoke"], "Which get_config(variant).")
+flags.DEFINE_enum("variant", "full", ["full", "smoke", "charlm"], "Which get_config(variant).")
 flags.DEFINE_string("workdir", None, "Output folder (default runs/schedules-<variant>-<time>).")
 flags.DEFINE_string("data_dir", None, "TFDS data_dir (mnist1d is built there).")
 

@@ -62,3 +62,29 @@ def test_adaptive_window_never_shrinks_and_saves_updates(study):
     assert adaptive[max(adaptive)]["updates"] < ones[max(ones)]["updates"]
     steps = [d["steps"] for d in result.decisions]
     assert steps and steps == sorted(steps)
+
+
+# -- the character-level LM --------------------------------------------------
+
+
+def test_char_corpus_is_deterministic_and_shifted():
+    from keras_accum.experiments import charlm
+
+    assert charlm.make_corpus(500, seed=0) == charlm.make_corpus(500, seed=0)
+    assert charlm.make_corpus(500, seed=0) != charlm.make_corpus(500, seed=1)
+    x, y = charlm.make_sequences("test")
+    assert x.shape == y.shape == (charlm.SEQUENCES["test"], charlm.SEQ_LEN)
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # y is the next character
+    assert x.min() >= 0 and x.max() < charlm.VOCAB_SIZE
+
+
+def test_char_lm_is_causal():
+    from keras_accum.experiments import charlm
+
+    model = charlm.build_lm()
+    x, _ = charlm.make_sequences("test")
+    changed = x[:2].copy()
+    changed[:, 40:] = (changed[:, 40:] + 1) % charlm.VOCAB_SIZE
+    a, b = model(x[:2]).numpy(), model(changed).numpy()
+    np.testing.assert_allclose(a[:, :40], b[:, :40], rtol=1e-5, atol=1e-6)
+    assert np.abs(a[:, 40:] - b[:, 40:]).max() > 1e-3

@@ -89,7 +89,8 @@ def _run_order(run):
 def markdown(switch_rows, adaptive_rows, config, decisions):
     c = config
     lines = [
-        f"MNIST-1D `{c['model']}`, micro-batch {c['micro_batch_size']}, "
+        f"`{c['dataset']}`, model `{'char_lm' if c['dataset'] == 'char_corpus' else c['model']}`, "
+        f"micro-batch {c['micro_batch_size']}, "
         f"{c['train_examples']} examples per run, evaluated every {c['eval_every']}; "
         f"mean ± seed std over seeds {c['seeds']}.",
         "",

@@ -1,7 +1,9 @@
 """Batch-size schedules study: changing kappa during a run (docs/BATCH_SIZE_SCHEDULES.md).
 
-Two experiments on MNIST-1D, every run of a seed from the same weights and
-the same stream of micro-batches (only their grouping into updates changes):
+Two experiments on MNIST-1D (or, with `dataset="char_corpus"`, on the
+character-level transformer LM of `keras_accum.experiments.charlm`; `model`
+is then ignored), every run of a seed from the same weights and the same
+stream of micro-batches (only their grouping into updates changes):
 
 * **switch**: kappa = 1 for the first `switch_examples`, then 8. Per base
   learning rate (tuned at kappa = 1) and method, three runs: constant
@@ -43,7 +45,7 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import diagnostics
-from keras_accum.experiments import data
+from keras_accum.experiments import charlm, data
 from keras_accum.experiments.invariance.report import METRICS, write_csv
 from keras_accum.experiments.invariance.trainer import (
     Trainer,
@@ -117,10 +119,14 @@ def _sqrt_learning_rate(lr, kappa):
 
 class ScheduleTrainer(Trainer):
     """The invariance study's trainer, with runs made of segments: each a
-    number of micro-batches, a compiled loop and a learning rate."""
+    number of micro-batches, a compiled loop and a learning rate. `build`
+    (optional) replaces the model builder (the character LM)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, build=None, **kwargs):
         super().__init__(*args, **kwargs)
+        if build is not None:
+            self._build = build
+            self.model = build()
         self._loops = {}
 
     def loops(self, key, make, phases=()):
@@ -197,18 +203,25 @@ class Study:
     def __init__(self, config):
         self.config = c = resolve_config(config)
         self.started, self.cpu_started = time.time(), time.process_time()
-        info = data.dataset_info(c["dataset"], c["data_dir"])
-        self.x_train, self.y_train = load_arrays(c["dataset"], "train", c["data_dir"])
-        test = load_arrays(c["dataset"], "test", c["data_dir"])
+        if c["dataset"] == charlm.CharCorpus.name:
+            self.x_train, self.y_train = charlm.load_arrays("train", c["data_dir"])
+            test = charlm.load_arrays("test", c["data_dir"])
+            shape, classes, build = (charlm.SEQ_LEN,), charlm.VOCAB_SIZE, charlm.build_lm
+        else:
+            info = data.dataset_info(c["dataset"], c["data_dir"])
+            self.x_train, self.y_train = load_arrays(c["dataset"], "train", c["data_dir"])
+            test = load_arrays(c["dataset"], "test", c["data_dir"])
+            shape, classes, build = info.input_shape, info.num_classes, None
         n = c["train_eval_examples"]
         self.trainer = ScheduleTrainer(
             c["model"],
-            info.input_shape,
-            info.num_classes,
+            shape,
+            classes,
             {"train": (self.x_train[:n], self.y_train[:n]), "test": test},
             c["beta_1"],
             c["beta_2"],
             c["epsilon"],
+            build=build,
         )
         self.rows, self.decisions = [], []
 
