@@ -23,6 +23,7 @@ not retraced when the size changes.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -134,7 +135,8 @@ class AdaptiveSteps(StepsSchedule):
     the optimizer; the schedule is deterministic given its inputs.
 
     Call `observe` after the optimizer is built. Each eager call appends
-    `(micro_step, b_simple, steps)` to `decisions`.
+    `(micro_step, b_simple, steps)` to `decisions` and logs it (Python
+    `logging`, INFO, logger `keras_accum.schedules`).
 
     Args:
         min_steps: the first window's size and the lower bound (>= 1).
@@ -197,8 +199,10 @@ class AdaptiveSteps(StepsSchedule):
         proposed = self.propose(b_simple)  # checks that it is built
         steps = self._steps.assign(proposed)
         if tf.executing_eagerly():
-            self.decisions.append(
-                (int(self._optimizer.micro_step.numpy()), float(b_simple), int(steps.numpy()))
+            decision = (int(self._optimizer.micro_step.numpy()), float(b_simple), int(steps))
+            self.decisions.append(decision)
+            logging.getLogger(__name__).info(
+                "AdaptiveSteps: micro_step %d, B_simple %.4g -> steps %d", *decision
             )
         return steps
 
