@@ -9,6 +9,10 @@ Traceback (most recent call last):
 ValueError: `steps` must be an integer >= 1. Received: steps=0
 >>> check_float("epsilon", 1e-7, minimum=0.0)
 1e-07
+>>> check_bool("jit_compile", "no")
+Traceback (most recent call last):
+...
+ValueError: `jit_compile` must be True or False. Received: jit_compile='no'
 >>> check_choice("rule", "linear", ("invariant", "sqrt", "power"))
 Traceback (most recent call last):
 ...
@@ -28,6 +32,13 @@ def check_int(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
     return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """`value` if it is a bool (not 0, 1 or a string), else ValueError."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return value
 
 
 def check_float(

@@ -18,11 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Use the package of this checkout, whatever else is installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from absl import (
-    app,  # noqa: E402
-    flags,  # noqa: E402
-    logging,  # noqa: E402
-)
+from absl import app, flags, logging
+
+from keras_accum.experiments.invariance import config as study_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -34,7 +32,8 @@ flags.DEFINE_enum(
     "variant", "full", ["full", "quick", "smoke"], "Which get_config(variant) of a .py config."
 )
 flags.DEFINE_string("workdir", None, "Output folder (default runs/invariance-<variant>-<time>).")
-flags.DEFINE_string("data_dir", None, "TFDS data_dir (mnist1d is built there).")
+# One flag per study config key (unset: keep the config's value).
+study_config.SCHEMA.define_flags(FLAGS)
 
 
 def main(argv):
@@ -45,8 +44,8 @@ def main(argv):
 
     try:
         config = invariance.load_config_file(FLAGS.config, FLAGS.variant)
-        if FLAGS.data_dir:
-            config["data_dir"] = FLAGS.data_dir
+        config.update(study_config.SCHEMA.flag_overrides(FLAGS))
+        config = invariance.resolve_config(config)  # Checked before any write.
         workdir = FLAGS.workdir or os.path.join(
             "runs", f"invariance-{FLAGS.variant}-{time.strftime('%Y%m%d-%H%M%S')}"
         )

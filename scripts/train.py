@@ -5,8 +5,11 @@
         --steps 8 --scaling_rule invariant --workdir runs/k8
     python scripts/train.py --workdir runs/k8 --resume
 
-Flags left unset keep the config's value. See keras_accum/experiments/experiment.py for
-the config keys and what the run folder holds.
+Every config key is also a flag (derived from the run's schema,
+keras_accum/experiments/run_config.py); flags left unset keep the config's
+value. The whole run is checked before anything is written: a bad value is
+one line `error: ...` naming it and the accepted values, exit status 2
+(flags) or 1 (config, data, run folder).
 """
 
 import os
@@ -18,105 +21,83 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Use the package of this checkout, whatever else is installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from absl import (
-    app,  # noqa: E402
-    flags,  # noqa: E402
-    logging,  # noqa: E402
-)
+from absl import flags, logging  # noqa: E402
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("config", None, "saved_configs/*.py file or run folder.")
-flags.DEFINE_string("workdir", None, "Run folder (default runs/<config>-<time>).")
-flags.DEFINE_bool("resume", False, "Continue the run in --workdir.")
-# Overrides of config keys (unset = keep the config's value).
-flags.DEFINE_enum(
-    "optimizer",
-    None,
-    ["invariant_adam", "update_accumulation_adam", "gradient_accumulation"],
-    "Which keras_accum optimizer.",
-)
-flags.DEFINE_integer("steps", None, "Micro-batches per update per replica.")
-flags.DEFINE_integer("micro_batch_size", None, "Items per micro-batch.")
-flags.DEFINE_float("learning_rate", None, "Learning rate at kappa = 1.")
-flags.DEFINE_enum(
-    "scaling_rule",
-    None,
-    ["invariant", "sqrt", "power", "none"],
-    "Rescale lr/betas from kappa = 1 to steps x replicas.",
-)
-flags.DEFINE_enum(
-    "lr_schedule", None, ["constant", "cosine"], "Learning-rate schedule over the updates."
-)
-flags.DEFINE_float("weight_decay", None, "Decoupled weight decay.")
-flags.DEFINE_integer("epochs", None, "Epochs.")
-flags.DEFINE_integer("seed", None, "Random seed.")
-flags.DEFINE_enum(
-    "strategy", None, ["default", "mirrored", "multi_worker"], "tf.distribute strategy."
-)
-flags.DEFINE_bool("mixed_precision", None, "mixed_float16 policy.")
-flags.DEFINE_bool("jit_compile", None, "Compile the step with XLA.")
-flags.DEFINE_string("dataset", None, "TFDS name (mnist1d is built offline).")
-flags.DEFINE_string("data_dir", None, "TFDS data_dir for prepared datasets.")
-flags.DEFINE_string("model", None, "Model name (mlp, cnn, resnet, transformer).")
-
-OVERRIDES = [
-    "optimizer",
-    "steps",
-    "micro_batch_size",
-    "learning_rate",
-    "scaling_rule",
-    "lr_schedule",
-    "weight_decay",
-    "epochs",
-    "seed",
-    "strategy",
-    "mixed_precision",
-    "jit_compile",
-    "dataset",
-    "data_dir",
-    "model",
-]
+SCRIPT_FLAGS = ("config", "workdir", "resume")
 
 
-def parse_flags(argv):
+def make_flags():
+    """The script's flags: its own three and one per config key."""
+    from keras_accum.experiments import experiment
+
+    fv = flags.FlagValues()
+    flags.DEFINE_string("config", None, "saved_configs/*.py file or run folder.", flag_values=fv)
+    flags.DEFINE_string(
+        "workdir", None, "Run folder (default runs/<config>-<time>).", flag_values=fv
+    )
+    flags.DEFINE_bool("resume", False, "Continue the run in --workdir.", flag_values=fv)
+    experiment.SCHEMA.define_flags(fv)
+    return fv
+
+
+def usage(fv):
+    return f"{__doc__}\nFlags:\n{fv.get_help(include_special_flags=False)}"
+
+
+def parse(fv, argv):
+    """Parses `argv`; a flags.Error says which flag and lists the valid ones."""
     try:
-        return FLAGS(argv)
+        rest = fv(argv)
     except flags.Error as e:
-        valid = sorted(["config", "workdir", "resume"] + OVERRIDES)
-        sys.exit(f"{e}\nValid flags: --{', --'.join(valid)}")
+        valid = ", ".join("--" + name for name in sorted(fv))
+        raise flags.Error(f"{e}. Valid flags: {valid}") from None
+    if len(rest) > 1:
+        raise flags.Error(f"Unexpected arguments {rest[1:]}; flags are --name=value.")
+
+
+def run_config(fv):
+    """The config to run (None with --resume: the folder's own)."""
+    from keras_accum.experiments import experiment
+
+    overrides = experiment.SCHEMA.flag_overrides(fv)
+    if fv.resume:
+        if not fv.workdir:
+            raise ValueError("--resume needs --workdir (the run folder to continue).")
+        if overrides or fv.config:
+            given = ["--config"] * bool(fv.config) + ["--" + name for name in overrides]
+            raise ValueError(
+                f"--resume continues the folder's own config; drop {', '.join(given)}."
+            )
+        return None
+    if not fv.config:
+        raise ValueError("--config is required (e.g. saved_configs/mnist1d_cnn_invariant.py).")
+    config = experiment.load_config_file(fv.config)
+    config.update(overrides)
+    return experiment.resolve_config(config)
 
 
 def main(argv):
+    """The script; returns its exit status (0 done, 1 refused run, 2 bad flags)."""
     logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset read
-    if len(argv) > 1:
-        sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
+    fv = make_flags()
+    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
+        print(usage(fv))
+        return 0
     from keras_accum.experiments import experiment
 
-    if FLAGS.resume:
-        if not FLAGS.workdir:
-            sys.exit("--resume needs --workdir (the run folder to continue).")
-        overrides = [n for n in OVERRIDES if FLAGS[n].value is not None]
-        if overrides or FLAGS.config:
-            sys.exit(
-                "--resume continues the folder's own config; drop "
-                f"--config and overrides ({', '.join(overrides)})."
-            )
-        config = None
-    else:
-        if not FLAGS.config:
-            sys.exit("--config is required (e.g. saved_configs/mnist1d_cnn_invariant.py).")
-        config = experiment.load_config_file(FLAGS.config)
-        for name in OVERRIDES:
-            value = FLAGS[name].value
-            if value is not None:
-                config[name] = None if value == "none" else value
-    workdir = FLAGS.workdir or os.path.join(
-        "runs", f"{pathlib.Path(FLAGS.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
     try:
-        final = experiment.train_and_evaluate(config, workdir, resume=FLAGS.resume)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        sys.exit(f"error: {e}")
+        parse(fv, argv)
+        config = run_config(fv)
+        workdir = fv.workdir or os.path.join(
+            "runs", f"{pathlib.Path(fv.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        final = experiment.train_and_evaluate(config, workdir, resume=fv.resume)
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(
         f"\nResults in {workdir}/ (config.json, metrics.csv, curves.png, "
         "final.json, tensorboard/, checkpoints/)"
@@ -126,7 +107,8 @@ def main(argv):
         f"test loss: {final['test_loss']:.4f}  "
         f"({final['updates']} updates, kappa={final['kappa']})"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    sys.exit(main(sys.argv))

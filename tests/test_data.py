@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -81,6 +82,32 @@ def test_make_mnist1d_leaves_global_rngs_alone():
     after = random.random(), np.random.rand()
     random.seed(1), np.random.seed(1)
     assert after == (random.random(), np.random.rand())
+
+
+def test_preparing_mnist1d_leaves_global_rngs_alone(tmp_path):
+    # TFDS names its temporary folders with `random`, which also seeds
+    # Keras's global SeedGenerator (initial weights): a fresh data_dir must
+    # not shift any of them.
+    def draws():
+        return random.random(), np.random.rand(), float(keras.random.uniform(()))
+
+    keras.utils.set_random_seed(3)
+    expected = draws()
+    keras.utils.set_random_seed(3)
+    data.builder("mnist1d", data_dir=tmp_path)  # Prepares: the folder is new.
+    assert draws() == expected
+
+
+def test_validation_split_is_carved_from_train(data_dir):
+    x_train, y_train = _arrays(data.load("mnist1d", "train", data_dir=data_dir))
+    kwargs = dict(data_dir=data_dir, validation_examples=400)
+    x_val, y_val = _arrays(data.load("mnist1d", "validation", **kwargs))
+    x_rest, y_rest = _arrays(data.load("mnist1d", "train", **kwargs))
+    np.testing.assert_array_equal(np.concatenate([x_val, x_rest]), x_train)
+    np.testing.assert_array_equal(np.concatenate([y_val, y_rest]), y_train)
+    assert len(x_val) == 400
+    x_test, _ = _arrays(data.load("mnist1d", "test", **kwargs))
+    assert len(x_test) == 1000
 
 
 def test_missing_dataset_fails_fast(tmp_path):

@@ -81,11 +81,23 @@ def test_resume_continues_exactly(data_dir, tmp_path):
     assert len((stopped / "metrics.csv").read_text().splitlines()) == 3
 
 
+def test_first_run_on_a_fresh_data_dir_equals_the_second(tmp_path):
+    # The first run prepares the dataset; that must not move the seed's
+    # random stream (initial weights, shuffles): both runs are bit-equal.
+    fresh = str(tmp_path / "tfds")
+    config = smoke(ROOT / "saved_configs/mnist1d_cnn_invariant.py", fresh, epochs=1)
+    experiment.train_and_evaluate(config, tmp_path / "first")
+    experiment.train_and_evaluate(config, tmp_path / "second")
+    a = keras.models.load_model(tmp_path / "first/checkpoints/epoch_001.keras")
+    b = keras.models.load_model(tmp_path / "second/checkpoints/epoch_001.keras")
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_unknown_config_key_lists_valid_ones():
     with pytest.raises(
         ValueError,
-        match=r"Unknown config key\(s\) \['stpes'\]"
-        r"\. Valid keys: .*micro_batch_size.*steps",
+        match=r"Unknown config key 'stpes'\. Valid keys: .*micro_batch_size.*steps",
     ):
         experiment.resolve_config({"stpes": 4})
 
@@ -203,3 +215,19 @@ def test_script_runs_two_local_workers(data_dir, tmp_path):
     assert final["updates"] == 4000 // (25 * 4 * 2)
     rows = list(csv.DictReader(open(tmp_path / "run/metrics.csv")))
     assert len(rows) == 1 and float(rows[0]["loss"]) > 0
+
+
+def test_seeds_report_is_mean_and_sample_std_of_the_runs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("seeds", ROOT / "scripts/seeds.py")
+    seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seeds)
+    rows = [
+        {"seed": 0, "test_accuracy": 0.94, "validation_accuracy": 0.95, "wall": 60, "cpu": 50},
+        {"seed": 1, "test_accuracy": 0.96, "validation_accuracy": 0.97, "wall": 80, "cpu": 70},
+    ]
+    text = seeds.report(rows, "saved_configs/x.py", [1.0, 2.0])
+    # mean 95.0%, sample std sqrt(2 * 0.01^2 / 1) = 1.41 points.
+    assert "| **mean +- std** | **95.0% +- 1.4** | 96.0% +- 1.4 | 70 s (max 80) | 60 s |" in text
+    assert "| 1 | 96.0% | 97.0% | 80 s | 70 s |" in text

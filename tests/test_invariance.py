@@ -166,10 +166,15 @@ def test_same_stream_for_every_kappa_and_epochs_are_permutations():
     [
         ({"eval_every": 128}, r"multiple of the largest window .* = 256"),
         ({"train_examples": 1000}, "multiple of `eval_every`"),
-        ({"methods": ["adam"]}, r"Received: methods=\['adam'\]"),
+        ({"methods": ["adam"]}, r"`methods\[0\]` must be one of .*Received: methods\[0\]='adam'"),
+        ({"methods": []}, r"`methods` must be a list of at least 1 item"),
+        ({"seeds": [-1]}, r"`seeds\[0\]` must be an integer >= 0"),
+        ({"learning_rates": [0.0]}, r"`learning_rates\[0\]` must be a finite number > 0"),
+        ({"beta_2": 1.0}, r"`beta_2` must be a finite number in \[0.0, 1.0\)"),
+        ({"noise_scale_kappa": 1}, r"`noise_scale_kappa` must be an integer >= 2"),
         ({"kappas": [1, 16]}, r"kappa \* \(1 - beta_1\)"),
         ({"plot_learning_rates": [0.5]}, "must be among `learning_rates`"),
-        ({"stpes": 1}, r"Unknown config key\(s\) \['stpes'\]"),
+        ({"stpes": 1}, r"Unknown config key 'stpes'. Valid keys: .*micro_batch_size"),
     ],
 )
 def test_bad_configs_are_refused(override, match):

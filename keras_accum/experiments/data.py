@@ -18,6 +18,7 @@ Example:
     meta = dataset_info("mnist1d", data_dir="/tmp/tfds")
 """
 
+import contextlib
 import dataclasses
 import fcntl
 import pathlib
@@ -74,20 +75,29 @@ class Mnist1d(tfds.core.GeneratorBasedBuilder):
             yield i, {"x": x.astype(np.float32), "label": int(y)}
 
 
-def make_mnist1d():
-    """`make_dataset(get_dataset_args())`, leaving the global RNGs as found.
+@contextlib.contextmanager
+def global_rngs_untouched():
+    """Restores Python's `random` and `np.random` global states on exit.
 
-    The package reseeds `random` and `np.random` globally; we restore both so
-    that preparing data does not change a caller's random stream.
+    Preparing data must not consume the training run's random stream: the
+    mnist1d package reseeds both globally, and TFDS draws its temporary
+    folder names from `random` (which also seeds Keras's global
+    SeedGenerator, hence the initial weights).
     """
-    from mnist1d.data import get_dataset_args, make_dataset  # Imports pyplot.
-
     states = random.getstate(), np.random.get_state()
     try:
-        return make_dataset(get_dataset_args())
+        yield
     finally:
         random.setstate(states[0])
         np.random.set_state(states[1])
+
+
+def make_mnist1d():
+    """`make_dataset(get_dataset_args())`, leaving the global RNGs as found."""
+    from mnist1d.data import get_dataset_args, make_dataset  # Imports pyplot.
+
+    with global_rngs_untouched():
+        return make_dataset(get_dataset_args())
 
 
 def make_synthetic_tokens(split, seed=0):
@@ -108,7 +118,18 @@ def make_synthetic_tokens(split, seed=0):
 def builder(name, data_dir=None):
     """A prepared TFDS builder: `mnist1d` is prepared on demand, others must
     already be on disk (no download is ever attempted)."""
-    b = tfds.builder(name, data_dir=data_dir)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"`dataset` must be a dataset name. Received: dataset={name!r}")
+    try:
+        b = tfds.builder(name, data_dir=data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+        raise ValueError(
+            f"`dataset` must be {Mnist1d.name}, {SYNTHETIC_TOKENS} or a TFDS dataset name "
+            f"(`tfds build --help`). Received: dataset={name!r}"
+        ) from None
+    except ValueError as e:  # A malformed name: TFDS explains over many lines.
+        first = str(e).splitlines()[0]
+        raise ValueError(f"`dataset`: {first} Received: dataset={name!r}") from None
     if b.is_prepared():
         return b
     if name == Mnist1d.name:
@@ -121,7 +142,8 @@ def builder(name, data_dir=None):
             b = tfds.builder(name, data_dir=data_dir)
             if not b.is_prepared():
                 config = tfds.download.DownloadConfig(try_download_gcs=False)
-                b.download_and_prepare(download_config=config)
+                with global_rngs_untouched():
+                    b.download_and_prepare(download_config=config)
         return b
     raise FileNotFoundError(
         f"Dataset {name!r} is not prepared in "
@@ -162,8 +184,22 @@ def dataset_info(name, data_dir=None):
     )
 
 
-def load(name, split, *, data_dir=None, batch_size=None, shuffle_seed=None, drop_remainder=False):
+def load(
+    name,
+    split,
+    *,
+    data_dir=None,
+    batch_size=None,
+    shuffle_seed=None,
+    drop_remainder=False,
+    validation_examples=0,
+):
     """A `tf.data.Dataset` of (features, label) for `split` of `name`.
+
+    `split` is "train", "test" or "validation". With `validation_examples`
+    = n > 0, "validation" is the first n examples of the train split and
+    "train" the rest (the test split is never touched); the split does not
+    depend on any seed.
 
     Features: uint8 images become float32 in [0, 1], other floats float32,
     integer tokens int32; labels are int32. Decoded examples are cached in
@@ -172,11 +208,23 @@ def load(name, split, *, data_dir=None, batch_size=None, shuffle_seed=None, drop
     batched. `data_dir=None` is TFDS's default (`$TFDS_DATA_DIR` or
     `~/tensorflow_datasets`).
     """
+    source = "test" if split == "test" else "train"
+    if split not in ("train", "test", "validation"):
+        raise ValueError(
+            f"`split` must be one of 'train', 'test', 'validation'. Received: split={split!r}"
+        )
+    if split == "validation" and validation_examples < 1:
+        raise ValueError("split='validation' needs validation_examples >= 1.")
     if name == SYNTHETIC_TOKENS:
-        ds = tf.data.Dataset.from_tensor_slices(make_synthetic_tokens(split))
+        ds = tf.data.Dataset.from_tensor_slices(make_synthetic_tokens(source))
     else:
         b = builder(name, data_dir)
-        ds = b.as_dataset(split=split, as_supervised=True, shuffle_files=False)
+        ds = b.as_dataset(split=source, as_supervised=True, shuffle_files=False)
+    if split == "validation":
+        ds = ds.take(validation_examples)
+    elif split == "train" and validation_examples:
+        ds = ds.skip(validation_examples)
+    if name != SYNTHETIC_TOKENS:
         ds = ds.cache().map(_convert, num_parallel_calls=tf.data.AUTOTUNE)
     if shuffle_seed is not None:
         ds = ds.shuffle(ds.cardinality(), seed=shuffle_seed, reshuffle_each_iteration=True)

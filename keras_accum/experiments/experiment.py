@@ -32,67 +32,14 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import diagnostics, training
-from keras_accum.experiments import data, models
-
-OPTIMIZERS = ("invariant_adam", "update_accumulation_adam", "gradient_accumulation")
-INNER_OPTIMIZERS = ("adam", "adamw", "sgd")
-STRATEGIES = ("default", "mirrored", "multi_worker")
-
-DEFAULTS = {
-    "dataset": "mnist1d",
-    "data_dir": None,
-    "model": "cnn",
-    "model_kwargs": {},
-    "optimizer": "invariant_adam",
-    "inner_optimizer": "adam",  # for optimizer="gradient_accumulation"
-    # Hyperparameters at kappa = 1; `scaling_rule` rescales them to kappa.
-    "learning_rate": 1e-3,
-    "beta_1": 0.9,
-    "beta_2": 0.999,
-    "epsilon": 1e-7,
-    "weight_decay": None,
-    "scaling_rule": None,  # None | "invariant" | "sqrt" | "power"
-    # "constant" | "cosine" (decays to 0 over all updates; a schedule sees
-    # the update count, not micro-steps)
-    "lr_schedule": "constant",
-    "micro_batch_size": 32,
-    "steps": 4,
-    "epochs": 10,
-    "seed": 0,
-    "strategy": "default",
-    "mixed_precision": False,
-    "jit_compile": False,
-    "noise_scale_every": 0,  # batches between noise-scale probes; 0 = off
-    "verbose": 1,
-}
-
-
-def resolve_config(config):
-    """DEFAULTS updated with `config`; refuses unknown keys and bad values."""
-    unknown = sorted(set(config) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"Unknown config key(s) {unknown}. Valid keys: {', '.join(sorted(DEFAULTS))}"
-        )
-    resolved = {**DEFAULTS, **config}
-    choices = {
-        "optimizer": OPTIMIZERS,
-        "inner_optimizer": INNER_OPTIMIZERS,
-        "strategy": STRATEGIES,
-        "scaling_rule": (None,) + ka.scaling.RULES,
-        "lr_schedule": ("constant", "cosine"),
-        "model": tuple(models.MODELS),
-    }
-    for key, valid in choices.items():
-        if resolved[key] not in valid:
-            raise ValueError(
-                f"`{key}` must be one of {list(valid)}. Received: {key}={resolved[key]!r}"
-            )
-    for key in ("micro_batch_size", "steps", "epochs"):
-        value = resolved[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{key}` must be an integer >= 1. Received: {key}={value!r}")
-    return resolved
+from keras_accum.experiments import data, models, run_config
+from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config API)
+    DEFAULTS,
+    SCHEMA,
+    load_config_file,
+    resolve_config,
+    validation_examples,
+)
 
 
 def make_strategy(name):
@@ -135,18 +82,47 @@ def make_optimizer(config, kappa, total_updates):
     return ka.GradientAccumulation(inner, steps=steps)
 
 
-def training_stream(config, global_micro_batch, start_batch):
+def training_stream(config, global_micro_batch, start_batch, held_out=0):
     """Global micro-batches of an endless, seeded reshuffling stream.
 
     A fresh stream with the same seed replays the same order, so skipping
     `start_batch` batches resumes exactly where a run stopped.
     """
-    examples = data.load(config["dataset"], "train", data_dir=config["data_dir"])
+    examples = data.load(
+        config["dataset"], "train", data_dir=config["data_dir"], validation_examples=held_out
+    )
     stream = examples.shuffle(
         examples.cardinality(), seed=config["seed"], reshuffle_each_iteration=True
     ).repeat()
     stream = stream.batch(global_micro_batch, drop_remainder=True)
     return stream.skip(start_batch).prefetch(tf.data.AUTOTUNE)
+
+
+class SplitLabels(keras.callbacks.Callback):
+    """Names the per-epoch evaluation after the split it ran on.
+
+    Keras calls it `val_*` whatever it is; when the watched split is the
+    test split, the logs (and metrics.csv) say `test_*` instead.
+    """
+
+    def __init__(self, split):
+        super().__init__()
+        self.split = split
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.split == "test":
+            for key in [k for k in logs if k.startswith("val_")]:
+                logs["test_" + key[4:]] = logs.pop(key)
+
+
+class CSVLogger(keras.callbacks.CSVLogger):
+    """Keras's CSVLogger without the empty `val_*` columns it invents when
+    the first epoch's logs hold none (here the test split is `test_*`)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.keys is None:
+            self.keys = sorted(logs or {})
+        super().on_epoch_end(epoch, logs)
 
 
 class AccumulationLogger(keras.callbacks.Callback):
@@ -174,43 +150,15 @@ def train_and_evaluate(config, workdir, resume=False):
     Returns the final evaluation dict.
     """
     workdir = pathlib.Path(workdir)
-    config_path = workdir / "config.json"
-    if resume:
-        if not config_path.exists():
-            raise FileNotFoundError(f"--resume: no run folder at {workdir} (config.json missing).")
-        saved = json.loads(config_path.read_text())
-        if config is not None and resolve_config(config) != saved:
-            raise ValueError(
-                "--resume continues the folder's own config; drop the other config or overrides."
-            )
-        config = saved
-    else:
-        config = resolve_config(config)
-    keras.utils.set_random_seed(config["seed"])
-    if config["mixed_precision"]:
-        keras.mixed_precision.set_global_policy("mixed_float16")
-    strategy = make_strategy(config["strategy"])
-    # Multi-worker: every worker runs this; only the chief owns the folder.
-    if not resume and training.is_chief(strategy):
-        if workdir.exists() and any(workdir.iterdir()):
-            raise FileExistsError(
-                f"workdir={str(workdir)!r} is not empty; pass --resume to "
-                "continue that run or choose a new folder."
-            )
-        workdir.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+    config, strategy, info, held_out, windows_per_epoch = _checked_run(config, workdir, resume)
     replicas = strategy.num_replicas_in_sync
     kappa = config["steps"] * replicas
-    info = data.dataset_info(config["dataset"], config["data_dir"])
+    keras.utils.set_random_seed(config["seed"])
+    keras.mixed_precision.set_global_policy(
+        "mixed_float16" if config["mixed_precision"] else "float32"
+    )
     global_micro_batch = config["micro_batch_size"] * replicas
     window_examples = global_micro_batch * config["steps"]
-    windows_per_epoch = info.num_train_examples // window_examples
-    if windows_per_epoch < 1:
-        raise ValueError(
-            f"One window (micro_batch_size x steps x replicas = "
-            f"{window_examples}) is larger than the training set "
-            f"({info.num_train_examples} examples)."
-        )
     steps_per_epoch = windows_per_epoch * config["steps"]
 
     checkpoint, initial_epoch = latest_checkpoint(workdir)
@@ -218,47 +166,22 @@ def train_and_evaluate(config, workdir, resume=False):
         if resume and checkpoint is not None:
             model = keras.models.load_model(checkpoint)
         else:
-            model_kwargs = dict(config["model_kwargs"])
-            if info.vocab_size is not None:
-                model_kwargs.setdefault("vocab_size", info.vocab_size)
-            model = models.build_model(
-                config["model"], info.input_shape, info.num_classes, **model_kwargs
-            )
-            model.compile(
-                optimizer=make_optimizer(config, kappa, config["epochs"] * windows_per_epoch),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=["accuracy"],
-                jit_compile=config["jit_compile"],
-            )
-
+            model = _build_model(config, info, kappa, config["epochs"] * windows_per_epoch)
     if config["strategy"] == "multi_worker":
-        return _train_custom_loop(config, workdir, strategy, model, info, window_examples, kappa)
-    train = training_stream(config, global_micro_batch, initial_epoch * steps_per_epoch)
-    test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
-    callbacks = [AccumulationLogger()]
-    if config["noise_scale_every"]:
-        probe = data.load(
-            config["dataset"],
-            "train",
-            data_dir=config["data_dir"],
-            batch_size=config["micro_batch_size"] * kappa,
-            shuffle_seed=config["seed"],
-            drop_remainder=True,
-        ).repeat()
-        callbacks.append(
-            diagnostics.NoiseScaleCallback(
-                probe,
-                micro_batch_size=config["micro_batch_size"],
-                kappa=kappa,
-                every_n_batches=config["noise_scale_every"],
-            )
+        return _train_custom_loop(
+            config, workdir, strategy, model, window_examples, kappa, held_out
         )
-    callbacks += [
-        keras.callbacks.CSVLogger(str(workdir / "metrics.csv"), append=True),
+    train = training_stream(config, global_micro_batch, initial_epoch * steps_per_epoch, held_out)
+    test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
+    watched = _validation_split(config, held_out) if held_out else test
+    callbacks = [
+        AccumulationLogger(),
+        SplitLabels("validation" if held_out else "test"),
+        *_noise_scale_callbacks(config, kappa, held_out),
+        CSVLogger(str(workdir / "metrics.csv"), append=True),
         keras.callbacks.TensorBoard(str(workdir / "tensorboard")),
         keras.callbacks.ModelCheckpoint(str(workdir / "checkpoints" / "epoch_{epoch:03d}.keras")),
     ]
-    (workdir / "checkpoints").mkdir(exist_ok=True)
     verbose = config["verbose"]
     if verbose == 1 and not sys.stdout.isatty():
         verbose = 2  # one line per epoch in logs instead of redrawn bars
@@ -269,7 +192,7 @@ def train_and_evaluate(config, workdir, resume=False):
             epochs=config["epochs"],
             initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch,
-            validation_data=test,
+            validation_data=watched,
             shuffle=False,  # the stream is shuffled, seeded
             callbacks=callbacks,
             verbose=verbose,
@@ -278,6 +201,7 @@ def train_and_evaluate(config, workdir, resume=False):
     final = {
         "test_loss": float(test_loss),
         "test_accuracy": float(test_accuracy),
+        **_validation_results(model, watched if held_out else None),
         "epochs": config["epochs"],
         "kappa": kappa,
         "updates": int(np.asarray(model.optimizer.iterations)),
@@ -288,7 +212,87 @@ def train_and_evaluate(config, workdir, resume=False):
     return final
 
 
-def _train_custom_loop(config, workdir, strategy, model, info, window_examples, kappa):
+def _checked_run(config, workdir, resume):
+    """Checks the whole run, then (new run, chief) writes config.json.
+
+    Returns (config, strategy, DatasetInfo, held-out examples, windows per
+    epoch). Every check comes before the first write, so a refused run
+    leaves the folder usable by the corrected command.
+    """
+    config = run_config.resume_config(config, workdir) if resume else resolve_config(config)
+    if not resume:
+        run_config.check_new_workdir(workdir)
+    strategy = make_strategy(config["strategy"])
+    replicas = strategy.num_replicas_in_sync
+    run_config.check_scaling(config, replicas)
+    info, held_out, windows_per_epoch = run_config.check_data(config, replicas)
+    # Multi-worker: every worker runs this; only the chief owns the folder.
+    if not resume and training.is_chief(strategy):
+        text = json.dumps(config, indent=2, sort_keys=True)
+        (workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        # The config the checkpoints belong to, to catch an edited config.json.
+        (workdir / "checkpoints" / "config.json").write_text(text)
+        (workdir / "config.json").write_text(text)
+    return config, strategy, info, held_out, windows_per_epoch
+
+
+def _build_model(config, info, kappa, total_updates):
+    """The configured model, compiled with the configured optimizer."""
+    model_kwargs = dict(config["model_kwargs"])
+    if info.vocab_size is not None:
+        model_kwargs.setdefault("vocab_size", info.vocab_size)
+    model = models.build_model(config["model"], info.input_shape, info.num_classes, **model_kwargs)
+    model.compile(
+        optimizer=make_optimizer(config, kappa, total_updates),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=config["jit_compile"],
+    )
+    return model
+
+
+def _validation_split(config, held_out):
+    return data.load(
+        config["dataset"],
+        "validation",
+        data_dir=config["data_dir"],
+        batch_size=1000,
+        validation_examples=held_out,
+    )
+
+
+def _noise_scale_callbacks(config, kappa, held_out):
+    """[NoiseScaleCallback] on its own seeded train stream, or []."""
+    if not config["noise_scale_every"]:
+        return []
+    probe = data.load(
+        config["dataset"],
+        "train",
+        data_dir=config["data_dir"],
+        batch_size=config["micro_batch_size"] * kappa,
+        shuffle_seed=config["seed"],
+        drop_remainder=True,
+        validation_examples=held_out,
+    ).repeat()
+    return [
+        diagnostics.NoiseScaleCallback(
+            probe,
+            micro_batch_size=config["micro_batch_size"],
+            kappa=kappa,
+            every_n_batches=config["noise_scale_every"],
+        )
+    ]
+
+
+def _validation_results(model, validation):
+    """Final loss and accuracy on the held-out part of train ({} if none)."""
+    if validation is None:
+        return {}
+    loss, accuracy = model.evaluate(validation, verbose=0)
+    return {"validation_loss": float(loss), "validation_accuracy": float(accuracy)}
+
+
+def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa, held_out):
     """The multi-worker path: keras_accum.training's compiled window step.
 
     Each global batch of the seeded stream is one whole window; the loop
@@ -302,6 +306,7 @@ def _train_custom_loop(config, workdir, strategy, model, info, window_examples, 
         shuffle_seed=config["seed"],
         batch_size=window_examples,
         drop_remainder=True,
+        validation_examples=held_out,
     )
     test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
     start = time.time()
@@ -368,7 +373,7 @@ def plot_curves(metrics_csv, png):
     epochs = [int(r["epoch"]) + 1 for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("loss", "accuracy")):
-        for prefix, label in (("", "train"), ("val_", "test")):
+        for prefix, label in (("", "train"), ("val_", "validation"), ("test_", "test")):
             if prefix + metric in rows[0]:
                 ax.plot(epochs, [float(r[prefix + metric]) for r in rows], label=label)
         ax.set_xlabel("epoch")
@@ -377,20 +382,3 @@ def plot_curves(metrics_csv, png):
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
-
-
-def load_config_file(path, *args):
-    """A config from a saved_configs/*.py file (its `get_config(*args)`) or
-    from a run folder's config.json (then `args` are ignored)."""
-    path = pathlib.Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"--config: no such file {str(path)!r}")
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    namespace = {"__file__": str(path)}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    if "get_config" not in namespace:
-        raise ValueError(f"{path} defines no get_config().")
-    return namespace["get_config"](*args)

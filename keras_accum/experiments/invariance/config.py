@@ -1,97 +1,68 @@
 """The invariance study's config: defaults, validation, the methods."""
 
+import pathlib
+
 import keras
 
 import keras_accum as ka
-from keras_accum.experiments import experiment
+from keras_accum.experiments import config as cfg
+from keras_accum.experiments import models
 
 METHODS = ("invariant", "sqrt", "update_accumulation", "plain")
 
-DEFAULTS = {
-    "dataset": "mnist1d",
-    "data_dir": None,
-    "model": "mlp",
-    "micro_batch_size": 32,
-    "kappas": [1, 2, 4, 8],
-    "methods": list(METHODS),
+F = cfg.Field
+
+
+def _bounded_int(minimum):
+    return F("", "int", minimum, "", minimum=minimum)
+
+
+def _fraction(name, default, help):
+    return F(name, "float", default, help, minimum=0.0, maximum=1.0, open_maximum=True)
+
+
+_POSITIVE = F("", "float", 1e-3, "", minimum=0.0, open_minimum=True)
+
+FIELDS = [
+    F("dataset", "str", "mnist1d", "TFDS name (mnist1d is built offline)"),
+    F("data_dir", "path", None, "TFDS data_dir"),
+    F("model", "str", "mlp", "Model name", choices=tuple(models.MODELS)),
+    F("micro_batch_size", "int", 32, "Items per micro-batch", minimum=1),
+    F("kappas", "list", [1, 2, 4, 8], "Micro-batches per update", item=_bounded_int(1)),
+    F("methods", "list", list(METHODS), "Methods", item=F("", "str", "", "", choices=METHODS)),
     # Base hyperparameters at kappa = 1; each method rescales them.
-    "learning_rates": [3e-4, 1e-3, 3e-3],
-    "beta_1": 0.9,
-    "beta_2": 0.999,
-    "epsilon": 1e-7,
-    "seeds": [0, 1, 2],
-    "train_examples": 16384,  # examples seen per run
-    "eval_every": 1024,  # examples; a multiple of max(kappas) x micro batch
-    "train_eval_examples": 1000,  # fixed train subset for the train loss
-    "share_kappa1": True,
-    "plot_learning_rates": [1e-3],  # one curves_lr_*.png each
+    F("learning_rates", "list", [3e-4, 1e-3, 3e-3], "Base learning rates", item=_POSITIVE),
+    _fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
+    _fraction("beta_2", 0.999, "Adam beta_2 at kappa = 1"),
+    F("epsilon", "float", 1e-7, "Adam epsilon", minimum=0.0, open_minimum=True),
+    F("seeds", "list", [0, 1, 2], "Seeds", item=_bounded_int(0)),
+    F("train_examples", "int", 16384, "Examples seen per run", minimum=1),
+    # A multiple of max(kappas) x micro_batch_size: every kappa is at a
+    # window end at each evaluation point.
+    F("eval_every", "int", 1024, "Examples between evaluations", minimum=1),
+    F("train_eval_examples", "int", 1000, "Fixed train subset for the train loss", minimum=1),
+    F("share_kappa1", "bool", True, "Run kappa = 1 once for all methods (all are Adam there)"),
+    F("plot_learning_rates", "list", [1e-3], "A curves figure each", minimum=0, item=_POSITIVE),
     # B_simple probes: windows of `noise_scale_kappa` micro-batches.
-    "noise_scale_windows": 32,
-    "noise_scale_kappa": 8,
+    F("noise_scale_windows", "int", 32, "B_simple probe windows", minimum=1),
+    F("noise_scale_kappa", "int", 8, "Micro-batches per probe window", minimum=2),
     # Bias-corrected EMA over probes of a fixed model: 0.99 weights the
     # windows nearly uniformly (the tracker is built for moving models).
-    "noise_scale_ema": 0.99,
-    "verbose": 1,
-}
+    _fraction("noise_scale_ema", 0.99, "EMA of the B_simple probes"),
+    F("verbose", "int", 1, "1: a line per run, 0: silent", choices=(0, 1)),
+]
 
 
-def _is_int(value, low):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-def resolve_config(config):
-    """DEFAULTS updated with `config`; refuses unknown keys and bad values."""
-    unknown = sorted(set(config) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"Unknown config key(s) {unknown}. Valid keys: {', '.join(sorted(DEFAULTS))}"
-        )
-    c = {**DEFAULTS, **config}
-    for key in ("kappas", "methods", "learning_rates", "seeds", "plot_learning_rates"):
-        c[key] = list(c[key])
-    for key in (
-        "micro_batch_size",
-        "train_examples",
-        "eval_every",
-        "train_eval_examples",
-        "noise_scale_windows",
-    ):
-        if not _is_int(c[key], 1):
-            raise ValueError(f"`{key}` must be an integer >= 1. Received: {key}={c[key]!r}")
-    if not _is_int(c["noise_scale_kappa"], 2):
-        raise ValueError(
-            "`noise_scale_kappa` must be an integer >= 2. "
-            f"Received: noise_scale_kappa={c['noise_scale_kappa']!r}"
-        )
-    if not c["kappas"] or not all(_is_int(k, 1) for k in c["kappas"]):
-        raise ValueError(
-            f"`kappas` must be a non-empty list of integers >= 1. Received: kappas={c['kappas']!r}"
-        )
-    bad = [m for m in c["methods"] if m not in METHODS]
-    if bad or not c["methods"]:
-        raise ValueError(
-            f"`methods` must be a non-empty subset of "
-            f"{list(METHODS)}. Received: methods={c['methods']!r}"
-        )
-    if not c["learning_rates"] or not all(
-        isinstance(lr, (int, float)) and lr > 0 for lr in c["learning_rates"]
-    ):
-        raise ValueError(
-            "`learning_rates` must be a non-empty list of "
-            f"numbers > 0. Received: "
-            f"learning_rates={c['learning_rates']!r}"
-        )
-    if not c["seeds"] or not all(_is_int(s, 0) for s in c["seeds"]):
-        raise ValueError(
-            f"`seeds` must be a non-empty list of integers >= 0. Received: seeds={c['seeds']!r}"
-        )
+def _check_plot_learning_rates(c):
     missing = [lr for lr in c["plot_learning_rates"] if lr not in c["learning_rates"]]
     if missing:
         raise ValueError(
-            "`plot_learning_rates` must be among "
-            f"`learning_rates`. Received: "
-            f"plot_learning_rates={c['plot_learning_rates']!r}"
+            "`plot_learning_rates` must be among `learning_rates`. "
+            f"Received: plot_learning_rates={c['plot_learning_rates']!r}"
         )
+
+
+def _check_evaluation_points(c):
     window = max(c["kappas"]) * c["micro_batch_size"]
     if c["eval_every"] % window:
         raise ValueError(
@@ -102,19 +73,38 @@ def resolve_config(config):
     if c["train_examples"] % c["eval_every"]:
         raise ValueError(
             "`train_examples` must be a multiple of `eval_every`. Received: "
-            f"train_examples={c['train_examples']}, "
-            f"eval_every={c['eval_every']}"
+            f"train_examples={c['train_examples']}, eval_every={c['eval_every']}"
         )
-    for kappa in c["kappas"]:  # Fail now, not after an hour of runs.
+
+
+def _check_rules(c):
+    # Fail now, not after an hour of runs.
+    for kappa in c["kappas"]:
         for method in c["methods"]:
             optimizer_hyperparameters(method, kappa, 1e-3, c["beta_1"], c["beta_2"], c["epsilon"])
-    return c
+
+
+SCHEMA = cfg.Schema(
+    "invariance study",
+    FIELDS,
+    [_check_plot_learning_rates, _check_evaluation_points, _check_rules],
+)
+DEFAULTS = SCHEMA.defaults()
+
+
+def resolve_config(config):
+    """DEFAULTS updated with `config`; refuses unknown keys and bad values
+    (`keras_accum.experiments.config.ConfigError`, a ValueError)."""
+    return SCHEMA.resolve(config)
 
 
 def load_config_file(path, variant):
     """`get_config(variant)` of a saved_configs/*.py file, or a run
     folder's config.json (then `variant` is ignored)."""
-    return experiment.load_config_file(path, variant)
+    path = pathlib.Path(path)
+    if path.is_dir() or path.suffix == ".json":
+        return cfg.load_file(path)
+    return cfg.load_file(path, variant)
 
 
 # -- optimizers ---------------------------------------------------------------
