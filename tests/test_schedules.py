@@ -433,3 +433,54 @@ def test_custom_loop_resumes_mid_window_across_a_switch(tmp_path):
         micro_steps(resumed, 12 - saved_at)
         for a, b in zip(resumed.model.get_weights(), uninterrupted.model.get_weights()):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# -- runs from a config (keras_accum.experiments.experiment) -----------------
+
+
+def test_config_takes_a_schedule(tmp_path):
+    from keras_accum.experiments import config as cfg
+    from keras_accum.experiments import experiment, run_config
+
+    base = {"steps": 4, "steps_boundaries": [20], "steps_values": [1, 4]}
+    config = experiment.resolve_config({**base, "scaling_rule": "power"})
+    opt = experiment.make_optimizer(config, kappa=4, total_updates=10)
+    assert isinstance(opt, ka.InvariantAdam) and opt.scaling_rule == "power"
+    assert opt.steps.get_config() == {"boundaries": [20], "values": [1, 4]}
+    assert opt.learning_rate.numpy() == np.float32(config["learning_rate"])  # unscaled
+    # Flags spell the lists comma-separated.
+    field = {f.name: f for f in run_config.FIELDS}["steps_values"]
+    assert field.parse("1,4,16") == [1, 4, 16]
+    for bad, match in [
+        ({"steps_values": [1, 4]}, "both"),
+        ({**base, "steps": 8}, "largest window 4"),
+        ({**base, "steps_values": [1, 0]}, "values"),
+        ({**base, "scaling_rule": "sqrt"}, "only optimizer='invariant_adam'"),
+        ({**base, "scaling_rule": "invariant", "optimizer": "gradient_accumulation"}, "only"),
+        ({**base, "lr_schedule": "cosine"}, "needs a scaling_rule"),
+        ({**base, "strategy": "multi_worker"}, "constant `steps`"),
+    ]:
+        with pytest.raises(cfg.ConfigError, match=match):
+            experiment.resolve_config(bad)
+
+
+def test_train_and_evaluate_with_a_schedule(tmp_path):
+    from keras_accum.experiments import experiment
+
+    config = {
+        "dataset": "mnist1d",
+        "data_dir": str(tmp_path / "tfds"),
+        "model": "mlp",
+        "micro_batch_size": 50,
+        "steps": 4,
+        "steps_boundaries": [30],
+        "steps_values": [1, 4],
+        "scaling_rule": "invariant",
+        "epochs": 1,
+        "verbose": 0,
+    }
+    final = experiment.train_and_evaluate(config, tmp_path / "run")
+    # 4000 examples = 20 windows of 4 x 50 = 80 micro-batches: 30 windows
+    # of 1, then (80 - 30) / 4 = 12.5 windows of 4: 12 whole ones.
+    assert final["updates"] == 30 + 12
+    assert np.isfinite(final["test_loss"])

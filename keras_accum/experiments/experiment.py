@@ -56,15 +56,21 @@ def make_strategy(name):
 def make_optimizer(config, kappa, total_updates):
     """The configured optimizer, hyperparameters scaled to `kappa`."""
     hyper = {k: config[k] for k in ("learning_rate", "beta_1", "beta_2", "epsilon")}
-    if config["scaling_rule"]:
+    # A steps schedule: InvariantAdam rescales per window itself, and its lr
+    # schedule counts micro-batches over all replicas (kappa per update).
+    scheduled = config["steps_boundaries"] is not None
+    if config["scaling_rule"] and not scheduled:
         hyper = ka.scale_hyperparameters(kappa, config["scaling_rule"], **hyper)
     if config["lr_schedule"] == "cosine":
         hyper["learning_rate"] = keras.optimizers.schedules.CosineDecay(
-            hyper["learning_rate"], decay_steps=total_updates
+            hyper["learning_rate"], decay_steps=total_updates * (kappa if scheduled else 1)
         )
     steps, wd = config["steps"], config["weight_decay"]
+    if scheduled:
+        steps = ka.PiecewiseSteps(config["steps_boundaries"], config["steps_values"])
     if config["optimizer"] == "invariant_adam":
-        return ka.InvariantAdam(**hyper, steps=steps, weight_decay=wd)
+        rule = {"scaling_rule": config["scaling_rule"]} if scheduled else {}
+        return ka.InvariantAdam(**hyper, steps=steps, weight_decay=wd, **rule)
     if config["optimizer"] == "update_accumulation_adam":
         return ka.UpdateAccumulationAdam(**hyper, steps=steps, weight_decay=wd)
     if config["inner_optimizer"] == "sgd":
