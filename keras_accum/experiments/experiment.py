@@ -32,7 +32,7 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import diagnostics, training
-from keras_accum.experiments import data, models, run_config
+from keras_accum.experiments import data, models, optimizers, run_config
 from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config API)
     DEFAULTS,
     SCHEMA,
@@ -65,27 +65,18 @@ def make_optimizer(config, kappa, total_updates):
         hyper["learning_rate"] = keras.optimizers.schedules.CosineDecay(
             hyper["learning_rate"], decay_steps=total_updates * (kappa if scheduled else 1)
         )
-    steps, wd = config["steps"], config["weight_decay"]
+    steps = config["steps"]
     if scheduled:
         steps = ka.PiecewiseSteps(config["steps_boundaries"], config["steps_values"])
-    if config["optimizer"] == "invariant_adam":
-        rule = {"scaling_rule": config["scaling_rule"]} if scheduled else {}
-        return ka.InvariantAdam(**hyper, steps=steps, weight_decay=wd, **rule)
-    if config["optimizer"] == "update_accumulation_adam":
-        return ka.UpdateAccumulationAdam(**hyper, steps=steps, weight_decay=wd)
-    if config["inner_optimizer"] == "sgd":
-        inner = keras.optimizers.SGD(
-            hyper["learning_rate"], momentum=hyper["beta_1"], weight_decay=wd
-        )
-    else:
-        inner_cls = (
-            keras.optimizers.AdamW
-            if config["inner_optimizer"] == "adamw"
-            else keras.optimizers.Adam
-        )
-        kwargs = {} if wd is None else {"weight_decay": wd}
-        inner = inner_cls(**hyper, **kwargs)
-    return ka.GradientAccumulation(inner, steps=steps)
+        if config["scaling_rule"]:  # invariant_adam only (run_config checks)
+            hyper["scaling_rule"] = config["scaling_rule"]
+    return optimizers.build(
+        config["optimizer"],
+        steps,
+        hyper,
+        inner=config["inner_optimizer"],
+        weight_decay=config["weight_decay"],
+    )
 
 
 def training_stream(config, global_micro_batch, start_batch, held_out=0):

@@ -14,10 +14,9 @@ import os
 
 import keras_accum as ka
 from keras_accum.experiments import config as cfg
-from keras_accum.experiments import data, models
+from keras_accum.experiments import data, models, optimizers
 
-OPTIMIZERS = ("invariant_adam", "update_accumulation_adam", "gradient_accumulation")
-INNER_OPTIMIZERS = ("adam", "adamw", "sgd")
+OPTIMIZERS, INNER_OPTIMIZERS = optimizers.OPTIMIZERS, optimizers.INNER_OPTIMIZERS
 STRATEGIES = ("default", "mirrored", "multi_worker")
 F = cfg.Field
 

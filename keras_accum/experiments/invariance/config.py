@@ -2,11 +2,9 @@
 
 import pathlib
 
-import keras
-
 import keras_accum as ka
 from keras_accum.experiments import config as cfg
-from keras_accum.experiments import models
+from keras_accum.experiments import models, optimizers
 
 METHODS = ("invariant", "sqrt", "update_accumulation", "plain")
 
@@ -110,27 +108,25 @@ def load_config_file(path, variant):
 # -- optimizers ---------------------------------------------------------------
 
 
+# Each method: (optimizer name, scaling rule from the kappa = 1 base).
+# update_accumulation keeps lr as a per-micro-batch rate, unscaled by
+# design; plain does no rescaling at all (the naive baseline).
+METHOD_OPTIMIZERS = {
+    "invariant": ("invariant_adam", "invariant"),
+    "sqrt": ("gradient_accumulation", "sqrt"),
+    "update_accumulation": ("update_accumulation_adam", None),
+    "plain": ("gradient_accumulation", None),
+}
+
+
 def optimizer_hyperparameters(method, kappa, base_lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
     """The Adam hyperparameters `method` uses at `kappa` from the base ones."""
+    _, rule = METHOD_OPTIMIZERS[cfg.validation.check_choice("method", method, METHODS)]
     base = {"learning_rate": base_lr, "beta_1": beta_1, "beta_2": beta_2, "epsilon": epsilon}
-    if method in ("invariant", "sqrt"):
-        return ka.scale_hyperparameters(kappa, method, **base)
-    if method in ("update_accumulation", "plain"):
-        # update_accumulation: lr is a per-micro-batch rate, unscaled by
-        # design; plain: no rescaling at all (the naive baseline).
-        return base
-    raise ValueError(f"`method` must be one of {list(METHODS)}. Received: method={method!r}")
+    return ka.scale_hyperparameters(kappa, rule, **base) if rule else base
 
 
 def make_optimizer(method, kappa, base_lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
     """The optimizer of `method` for kappa micro-batches per update."""
     h = optimizer_hyperparameters(method, kappa, base_lr, beta_1, beta_2, epsilon)
-    if method == "invariant":
-        return ka.InvariantAdam(steps=kappa, **h)
-    if method == "update_accumulation":
-        return ka.UpdateAccumulationAdam(steps=kappa, **h)
-    # sqrt (Malladi) and plain: standard accumulation of the mean gradient.
-    return ka.GradientAccumulation(keras.optimizers.Adam(**h), steps=kappa)
-
-
-# -- data ---------------------------------------------------------------------
+    return optimizers.build(METHOD_OPTIMIZERS[method][0], kappa, h)
