@@ -355,7 +355,8 @@ class Study:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
         write_csv(workdir / "runs.csv", self.rows)
-        write_csv(workdir / "decisions.csv", self.decisions)
+        if self.decisions:  # none without adaptive runs
+            write_csv(workdir / "decisions.csv", self.decisions)
         seconds = time.time() - self.started
         cpu = time.process_time() - self.cpu_started
         schedules_report.write_report(self.rows, self.decisions, self.config, workdir)
