@@ -27,7 +27,10 @@ over replicas it is the gradient of the global micro-batch mean.
 Non-finite gradients are governed by `nonfinite`:
 
 * `"skip_micro_batch"` (default): a micro-batch with a NaN or Inf gradient on
-  a replica is left out of the window; `skipped_micro_batches` counts it.
+  a replica is left out of the window (masked to zero with no weight, no
+  branch); `skipped_micro_batches` counts it. Window state is reset at the
+  window's start whatever its first micro-batch does, so a skip never leaves
+  the previous window's sums or update in place.
 * `"skip_window"`: the update of the window containing it is dropped: the
   parameters do not move (moments already updated by earlier micro-batches
   keep them, see `UpdateAccumulationAdam`; `InvariantAdam` refuses it).
@@ -41,16 +44,23 @@ State, field by field (creation order is the checkpoint format):
 in the current window, for `"skip_window"`), then each subclass's slots.
 """
 
+import collections
 import contextlib
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import initializers, optimizers
 
 from keras_accum import schedules
-from keras_accum.validation import check_choice
+from keras_accum.validation import check_choice, check_float
 
 NONFINITE_POLICIES = ("skip_micro_batch", "skip_window", "raise", None)
+
+# `apply(weight=ReplicaItems(n))`: n items (or tokens: the loss denominator)
+# on this replica, gradients in the model.fit convention (this replica's mean
+# gradient / replicas). Set by `weigh_micro_batches`.
+ReplicaItems = collections.namedtuple("ReplicaItems", ["items"])
 
 
 def all_finite(grads):
@@ -77,6 +87,31 @@ def assign_total(variable, value):
     """Cross-replica assign to a replica-local variable: each replica gets
     value / replicas. No read-back (that would be one more reduction)."""
     variable.value.assign(tf.cast(value, variable.dtype), read_value=False)
+
+
+def check_weight(weight):
+    """`apply(weight=...)`: None (1), a number > 0 or a scalar tensor (its
+    value checked when eager), or `ReplicaItems`."""
+    if weight is None:
+        return 1.0
+    if isinstance(weight, ReplicaItems):
+        return weight
+    error = f"`weight` must be a scalar number > 0. Received: weight={weight!r}"
+    if isinstance(weight, bool):
+        raise ValueError(error)
+    if isinstance(weight, (int, float, np.number)):
+        return check_float("weight", weight, minimum=0.0, open_minimum=True)
+    if isinstance(weight, np.ndarray):
+        if weight.shape != ():
+            raise ValueError(error)
+        return check_float("weight", float(weight), minimum=0.0, open_minimum=True)
+    shape = getattr(weight, "shape", None)
+    if shape is None or tf.TensorShape(shape).rank not in (0, None):
+        raise ValueError(error)
+    if not tf.is_symbolic_tensor(weight) and hasattr(weight, "numpy"):
+        if not float(weight.numpy()) > 0:
+            raise ValueError(error)
+    return weight
 
 
 class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
@@ -131,6 +166,29 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         self._track_variable(variable)
         return variable
 
+    def get_weights(self):
+        """Values of `variables`: the whole state, a wrapped optimizer's too."""
+        return [v.numpy() for v in self.variables]
+
+    def set_weights(self, weights):
+        """Sets every variable of `variables` (for `GradientAccumulation`
+        the inner optimizer's too), in the order `get_weights` returns."""
+        if not self.built:
+            raise ValueError("Build the optimizer before calling `set_weights()`.")
+        if len(weights) != len(self.variables):
+            raise ValueError(
+                f"`weights` must hold {len(self.variables)} arrays. "
+                f"Received: len(weights)={len(weights)}"
+            )
+        for variable, weight in zip(self.variables, weights):
+            if tuple(variable.shape) != tuple(np.shape(weight)):
+                raise ValueError(
+                    f"Optimizer variable {variable.path} has shape "
+                    f"{tuple(variable.shape)}. Received: weight shape "
+                    f"{tuple(np.shape(weight))}"
+                )
+            variable.assign(weight)
+
     # -- counters -----------------------------------------------------------
 
     @property
@@ -167,9 +225,10 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
                 under a strategy, see the module docstring).
             trainable_variables: the variables; required on the first call.
             weight: optional number of items (or tokens) in the global
-                micro-batch these gradients average over. Only
-                `GradientAccumulation` uses it: the window mean is then
-                weighted by item counts, exact for unequal micro-batches.
+                micro-batch these gradients average over, a number > 0 or a
+                scalar tensor. Only `GradientAccumulation` uses it: the window
+                mean is then weighted by item counts, exact for unequal
+                micro-batches.
         """
         if trainable_variables is None:
             if not self.built:
@@ -178,7 +237,14 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
                     "to `apply`, or the optimizer built beforehand."
                 )
             trainable_variables = self._trainable_variables
-        trainable_variables = list(trainable_variables)
+        grads, trainable_variables = list(grads), list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                f"`grads` must hold one gradient per variable "
+                f"({len(trainable_variables)} variables). "
+                f"Received: len(grads)={len(grads)}"
+            )
+        weight = check_weight(weight)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -187,8 +253,6 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
-        grads = [g for g, _ in pairs]
-        trainable_variables = [v for _, v in pairs]
         replica_context = tf.distribute.get_replica_context()
         if replica_context is None:
             raise ValueError(
@@ -196,29 +260,52 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
                 "replica context (inside `strategy.run`), not in "
                 "cross-replica context."
             )
-        weight = 1.0 if weight is None else weight
+        # Variables Keras overwrites with their gradient (float8 scales) take
+        # no part in the window, as in `keras.optimizers.Optimizer.apply`.
+        overwrite = [p for p in pairs if getattr(p[1], "overwrite_with_gradient", False)]
+        pairs = [p for p in pairs if not getattr(p[1], "overwrite_with_gradient", False)]
+        grads = [g for g, _ in pairs]
+        if self.loss_scale_factor is not None:
+            # g = g / loss_scale_factor, before anything else sees it.
+            grads = [g / self.loss_scale_factor for g in grads]
+        args = (grads, [v for _, v in pairs], weight, overwrite)
         with keras.name_scope(self.name, caller=self):
-            replica_context.merge_call(self._merge_apply, args=(grads, trainable_variables, weight))
+            replica_context.merge_call(self._merge_apply, args=args)
 
-    def _merge_apply(self, distribution, grads, trainable_variables, weight):
+    def _merge_apply(self, distribution, grads, trainable_variables, weight, overwrite):
         # Cross-replica context from here on: `grads` are per-replica values.
         window_start = self._start_window()
-        self._accumulate(distribution, grads, trainable_variables, weight, window_start)
+        if grads:
+            self._accumulate(distribution, grads, trainable_variables, weight, window_start)
         micro_step = self._micro_step.assign_add(1)
+        boundary = self._window_done(micro_step)
+        self._overwrite_with_gradients(distribution, overwrite, boundary)
         if self.steps == 1:
             self._end_window(distribution, trainable_variables)
         else:
             tf.cond(
-                self._window_done(micro_step),
+                boundary,
                 lambda: self._end_window(distribution, trainable_variables),
                 lambda: None,
             )
+
+    def _overwrite_with_gradients(self, distribution, pairs, boundary):
+        """`overwrite_with_gradient` variables take the gradient of the
+        window's last micro-batch at the boundary (scalars, no cond)."""
+        for grad, variable in pairs:
+
+            def overwrite(var, grad):
+                grad = tf.cast(dense(grad), var.dtype)
+                var.assign(grad if self.steps == 1 else tf.where(boundary, grad, var))
+
+            distribution.extended.update(variable.value, overwrite, args=(grad,), group=False)
 
     def _end_window(self, distribution, trainable_variables):
         window = self._read_window(distribution)
 
         def update():
             self._update(distribution, trainable_variables, window)
+            self._finish_update(distribution, trainable_variables)
             self._iterations.assign_add(1)
 
         def drop():
@@ -234,31 +321,47 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
             tf.cond(window_ok, update, drop)
         if self.nonfinite == "skip_window":
             assign_total(self._window_bad, 0)
-        self._after_window(distribution)
 
-    def _guarded(self, grads, fold, skip):
-        """Runs `fold(grads)` on one replica under the non-finite policy;
-        `skip()` marks a dropped micro-batch. Replica context, no sync."""
+    def _finish_update(self, distribution, variables):
+        """After an update, in Keras's order: EMA of the weights (and its
+        periodic overwrite), then each variable's constraint."""
+        if self.use_ema:
+            self._update_model_variables_moving_average(self._trainable_variables)
+            if self.ema_overwrite_frequency:
+                tf.cond(
+                    tf.equal((self._iterations + 1) % self.ema_overwrite_frequency, 0),
+                    lambda: self._overwrite_model_variables_with_average_value(
+                        self._trainable_variables
+                    ),
+                    lambda: None,
+                )
+        for variable in variables:
+            if variable.constraint is not None:
+
+                def constrain(var, constraint=variable.constraint):
+                    var.assign(constraint(var))
+
+                distribution.extended.update(variable.value, constrain, group=False)
+
+    def _screen(self, grads):
+        """Applies the non-finite policy to one replica's dense gradients.
+
+        Returns `(grads, ok)`: under a `skip_*` policy `ok` is a boolean
+        scalar and a non-finite micro-batch comes back as zeros (an
+        arithmetic mask, no branch over parameter-sized state), else None.
+        Replica context, no communication.
+        """
         if self.nonfinite is None:
-            fold(grads)
-        elif self.nonfinite == "raise":
-            fold(
-                [
-                    tf.debugging.check_numerics(
-                        g, f"{self.name}: non-finite gradient (nonfinite='raise')"
-                    )
-                    for g in grads
-                ]
-            )
-        else:
-
-            def on_skip():
-                self._skipped_micro_batches.assign_add(1)
-                if self.nonfinite == "skip_window":
-                    self._window_bad.assign_add(1)
-                skip()
-
-            tf.cond(all_finite(grads), lambda: fold(grads), on_skip)
+            return grads, None
+        if self.nonfinite == "raise":
+            message = f"{self.name}: non-finite gradient (nonfinite='raise')"
+            return [tf.debugging.check_numerics(g, message) for g in grads], None
+        ok = all_finite(grads)
+        bad = 1 - tf.cast(ok, "int64")
+        self._skipped_micro_batches.assign_add(bad)
+        if self.nonfinite == "skip_window":
+            self._window_bad.assign_add(bad)
+        return [tf.where(ok, g, tf.zeros_like(g)) for g in grads], ok
 
     # -- subclass hooks -------------------------------------------------------
 
@@ -278,9 +381,6 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         None when it always is."""
         return None
 
-    def _after_window(self, distribution):
-        pass
-
     def load_own_variables(self, store):
         # Keras skips loading, with a mere warning, when the saved optimizer
         # has another number of variables (e.g. a changed `steps`): the run
@@ -295,79 +395,7 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
             )
         super().load_own_variables(store)
 
-    def _check_unsupported(self, kwargs, names):
-        """Refuses base-optimizer arguments this algorithm does not honour."""
-        for name in names:
-            if kwargs.get(name) not in (None, False):
-                raise ValueError(
-                    f"{self.__class__.__name__} does not support `{name}`. "
-                    f"Received: {name}={kwargs[name]!r}"
-                )
-
     def get_config(self):
         config = super().get_config()
         config.update({"steps": schedules.serialize_steps(self.steps), "nonfinite": self.nonfinite})
-        return config
-
-
-# Base-optimizer arguments the Adam variants do not implement.
-ADAM_UNSUPPORTED = (
-    "clipnorm",
-    "clipvalue",
-    "global_clipnorm",
-    "use_ema",
-    "gradient_accumulation_steps",
-    "loss_scale_factor",
-)
-
-
-class AdamFamily(AccumulationOptimizer):
-    """Constructor and config shared by the two Adam variants."""
-
-    def __init__(
-        self,
-        learning_rate=0.001,
-        beta_1=0.9,
-        beta_2=0.999,
-        epsilon=1e-7,
-        steps=1,
-        nonfinite="skip_micro_batch",
-        weight_decay=None,
-        name=None,
-        **kwargs,
-    ):
-        self._check_unsupported(kwargs, ADAM_UNSUPPORTED)
-        super().__init__(
-            learning_rate=learning_rate,
-            steps=steps,
-            nonfinite=nonfinite,
-            weight_decay=weight_decay,
-            name=name,
-            **{k: v for k, v in kwargs.items() if k not in ADAM_UNSUPPORTED},
-        )
-        self.beta_1 = beta_1
-        self.beta_2 = beta_2
-        self.epsilon = epsilon
-
-    def _adam_alpha(self, learning_rate, count, dtype):
-        """alpha = lr * sqrt(1 - beta_2^count) / (1 - beta_1^count), as
-        `keras.optimizers.Adam` computes it."""
-        lr = tf.cast(learning_rate, dtype)
-        count = tf.cast(count, dtype)
-        return (
-            lr
-            * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, dtype), count))
-            / (1 - tf.pow(tf.cast(self.beta_1, dtype), count))
-        )
-
-    def _decay(self, variable, lr):
-        if self.weight_decay is not None and self._use_weight_decay(variable):
-            # theta = theta - lr * weight_decay * theta
-            variable.assign_sub(variable * tf.cast(self.weight_decay, variable.dtype) * lr)
-
-    def get_config(self):
-        config = super().get_config()
-        for name in ADAM_UNSUPPORTED:
-            config.pop(name, None)
-        config.update({"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon})
         return config

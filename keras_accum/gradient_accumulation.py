@@ -1,6 +1,5 @@
 """Gradient accumulation around any Keras optimizer."""
 
-import collections
 import threading
 
 import keras
@@ -9,39 +8,135 @@ from keras import optimizers, saving
 
 from keras_accum import base, schedules
 
-# The item count of the micro-batch being traced on this thread, set by
-# `weigh_micro_batches`. MirroredStrategy traces each replica on its own
+# The loss denominator of the micro-batch being traced on this thread, set
+# by `weigh_micro_batches`. MirroredStrategy traces each replica on its own
 # thread, so this is each replica's own count.
 _fit_items = threading.local()
+# The same by replica id, while a weighed `train_step` is traced: a
+# `LossScaleOptimizer` around us calls `apply` from threads of its own.
+_fit_items_by_replica = {}
 
-# `apply(weight=ReplicaItems(n))`: n items on this replica, gradients in the
-# model.fit convention (this replica's mean gradient / replicas).
-ReplicaItems = collections.namedtuple("ReplicaItems", ["items"])
+
+def _replica_id():
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return None
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    return None if replica is None else int(replica)
 
 
-def weigh_micro_batches(model):
-    """Makes `model.fit` weight the window mean by micro-batch sizes.
+ReplicaItems = base.ReplicaItems
 
-    Keras's `train_step` does not tell the optimizer how many items a batch
-    held, so by default `GradientAccumulation` under `model.fit` averages
-    micro-batches equally: the mean of means, wrong when the last batch of
-    an epoch is short. After `weigh_micro_batches(model)`, each replica
-    passes its batch size and the window mean is
-    sum_r n_r g_r / sum_r n_r: exactly the big batch (for losses averaged
-    over the batch, Keras's default reduction). Call it after `compile`.
-    Returns `model`.
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def _single_loss(model):
+    """The model's one compiled loss (a `Loss`, a name or a function)."""
+    loss = model.loss
+    if isinstance(loss, dict) and len(loss) == 1:
+        loss = next(iter(loss.values()))
+    if isinstance(loss, (list, tuple)) and len(loss) == 1:
+        loss = loss[0]
+    return loss
+
+
+def _reduction(model):
+    loss = _single_loss(model)
+    if isinstance(loss, (dict, list, tuple)):
+        reductions = [
+            getattr(x, "reduction", "sum_over_batch_size") for x in keras.tree.flatten(loss)
+        ]
+        if "mean_with_sample_weight" in reductions:
+            raise ValueError(
+                "`weigh_micro_batches` needs one loss when a loss has "
+                "reduction='mean_with_sample_weight' (several token means "
+                f"have no common denominator). Received: model.loss={loss!r}"
+            )
+        return None  # several per-item means: weigh by batch size
+    reduction = getattr(loss, "reduction", "sum_over_batch_size")
+    if reduction not in MEAN_REDUCTIONS:
+        raise ValueError(
+            "`weigh_micro_batches` needs a loss averaged over items or tokens "
+            f"(reduction in {MEAN_REDUCTIONS}). Received: reduction={reduction!r}"
+        )
+    return reduction
+
+
+def loss_denominator(reduction, x, y_pred, sample_weight):
+    """The number Keras divides the micro-batch's summed loss by: the sum of
+    the sample weights (times the Keras mask) for
+    `reduction="mean_with_sample_weight"`, the number of unmasked entries
+    when `y_pred` carries a mask, else the batch size (proportional to the
+    element count, which is all the weighting needs)."""
+    mask = None
+    if reduction is not None and not isinstance(y_pred, (dict, list, tuple)):
+        mask = getattr(y_pred, "_keras_mask", None)  # Keras's mask on a tensor
+    weights = None
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        weights = tf.cast(keras.tree.flatten(sample_weight)[0], "float32")
+    if mask is not None:
+        mask = tf.cast(mask, "float32")
+        if weights is None:
+            weights = mask
+        else:
+            # Keras expands the lower-rank one by trailing axes.
+            while len(weights.shape) < len(mask.shape):
+                weights = weights[..., None]
+            while len(mask.shape) < len(weights.shape):
+                mask = mask[..., None]
+            weights = weights * mask
+        if reduction != "mean_with_sample_weight":
+            weights = mask  # sum(l * w * mask) / (unmasked count)
+    if weights is not None:
+        return tf.reduce_sum(weights)
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    return tf.cast(tf.shape(first)[0], "float32")
+
+
+def weigh_micro_batches(model: keras.Model) -> keras.Model:
+    """Makes `model.fit` weight the window mean by each micro-batch's loss
+    denominator.
+
+    Keras's `train_step` does not tell the optimizer what a batch's loss was
+    averaged over, so by default `GradientAccumulation` under `model.fit`
+    averages micro-batches equally: the mean of means, wrong when the last
+    batch of an epoch is short or when a token-mean loss
+    (`reduction="mean_with_sample_weight"` with padding masked by sample
+    weights, or a Keras mask) sees unequal token counts. After
+    `weigh_micro_batches(model)`, each replica passes the denominator Keras
+    divided its summed loss by (tokens with nonzero weight, items), and the
+    window mean is sum_r D_r g_r / sum_r D_r: exactly the big batch, on one
+    device or across replicas. Needs one loss for token means. Call it after
+    `compile`. Returns `model`.
     """
-    original = model.train_step
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"`model` must be a `keras.Model`. Received: model={model!r}")
+    if not getattr(model, "compiled", False):
+        raise ValueError(
+            "`weigh_micro_batches` must be called after `model.compile`. "
+            f"Received: model={model.name!r} (not compiled)"
+        )
+    reduction = _reduction(model)
+    original_step, original_loss = model.train_step, model.compute_loss
+    pass_training = getattr(model, "_compute_loss_has_training_arg", True)
+
+    def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        if getattr(_fit_items, "active", False):
+            _fit_items.value = loss_denominator(reduction, x, y_pred, sample_weight)
+            _fit_items_by_replica[_replica_id()] = _fit_items.value
+        if pass_training:
+            return original_loss(x, y, y_pred, sample_weight, training=training)
+        return original_loss(x, y, y_pred, sample_weight)
 
     def train_step(data):
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        first = next(t for t in keras.tree.flatten(x) if t is not None)
-        _fit_items.value = tf.shape(first)[0]
+        _fit_items.active = True
         try:
-            return original(data)
+            return original_step(data)
         finally:
-            _fit_items.value = None
+            _fit_items.active, _fit_items.value = False, None
+            _fit_items_by_replica.pop(_replica_id(), None)
 
+    model.compute_loss = compute_loss
     model.train_step = train_step
     model.train_function = None  # rebuild with the new step
     return model
@@ -104,6 +199,14 @@ class GradientAccumulation(base.AccumulationOptimizer):
                 "`optimizer` already accumulates micro-batches; wrapping it "
                 f"again would nest windows. Received: optimizer={optimizer!r}"
             )
+        if isinstance(optimizer, optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "`optimizer` is a `LossScaleOptimizer`: it would unscale "
+                "the accumulated window at the wrong moment. Put the loss "
+                "scaler outside: LossScaleOptimizer(GradientAccumulation(...)) "
+                "(what `model.compile` does under mixed_float16). "
+                f"Received: optimizer={optimizer!r}"
+            )
         if optimizer.gradient_accumulation_steps:
             raise ValueError(
                 "`optimizer` has Keras's own `gradient_accumulation_steps`="
@@ -148,14 +251,18 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
     def apply(self, grads, trainable_variables=None, weight=None):
         items = getattr(_fit_items, "value", None)
+        if items is None:
+            items = _fit_items_by_replica.get(_replica_id())
         if weight is None and items is not None:
             weight = ReplicaItems(items)
         super().apply(grads, trainable_variables, weight=weight)
 
     def _accumulate(self, distribution, grads, variables, weight, start):
-        distribution.extended.call_for_each_replica(self._fold, args=(grads, variables, weight))
+        distribution.extended.call_for_each_replica(
+            self._fold, args=(grads, variables, weight, start)
+        )
 
-    def _fold(self, grads, variables, weight):
+    def _fold(self, grads, variables, weight, start):
         # Replica context, replica-local state only: no communication.
         accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
@@ -171,23 +278,17 @@ class GradientAccumulation(base.AccumulationOptimizer):
             # equal share of weight: the sum over replicas is the weight.
             scale = tf.cast(weight, "float32")
             share = scale / replicas
-
-        def weighted(grads):
-            grads = [tf.cast(base.dense(g), "float32") for g in grads]
-            return grads if unit_weight else [scale * g for g in grads]
-
-        def fold(grads):
-            wgs = weighted(grads)
-            # A replica that has folded nothing yet in this window starts its
-            # sum afresh: S_r = w g (no separate zeroing pass).
-            tf.cond(
-                tf.equal(self._weight, 0.0),
-                lambda: [a.assign(g) for a, g in zip(accumulators, wgs)],
-                lambda: [a.assign_add(g) for a, g in zip(accumulators, wgs)],
-            )
-            self._weight.assign_add(share)
-
-        self._guarded(grads, fold, skip=lambda: None)
+        grads, ok = self._screen([tf.cast(base.dense(g), "float32") for g in grads])
+        if ok is not None:
+            # A skipped micro-batch (zeroed by `_screen`) adds no weight.
+            share = share * tf.cast(ok, "float32")
+        for a, g in zip(accumulators, grads):
+            wg = g if unit_weight else scale * g
+            # S_r = w g at the window's start (whatever came before, also
+            # when this micro-batch is skipped), else S_r + w g
+            a.assign(tf.where(start, wg, a + wg))
+        # W_r = w at the window's start, else W_r + w
+        self._weight.assign(tf.where(start, share, self._weight + share))
 
     def _read_window(self, distribution):
         return base.read_total(self._weight)  # W, summed over replicas
@@ -226,8 +327,8 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
             distribution.extended.call_for_each_replica(apply_inner, args=(total_weight,))
 
-    def _after_window(self, distribution):
-        base.assign_total(self._weight, 0.0)
+    def _finish_update(self, distribution, variables):
+        pass  # the inner optimizer applies its EMA and constraints itself
 
     def get_config(self):
         return {

@@ -5,10 +5,11 @@ import tensorflow as tf
 from keras import saving
 
 from keras_accum import base, schedules
+from keras_accum.adam_family import AdamFamily
 
 
 @saving.register_keras_serializable(package="keras_accum")
-class InvariantAdam(base.AdamFamily):
+class InvariantAdam(AdamFamily):
     """Adam whose second moment averages *squared* micro-batch gradients.
 
     With kappa micro-batches per update (kappa = steps x replicas in sync)
@@ -45,6 +46,13 @@ class InvariantAdam(base.AdamFamily):
       zero gradient in its window's averages (the fold cannot renormalise
       without extra buffers); `"skip_window"` is therefore not offered.
     * `weight_decay` is decoupled (AdamW style), applied once per update.
+    * Keras's `clipnorm`, `clipvalue` and `global_clipnorm` clip each
+      micro-batch's gradient before it enters m and v (the global norm is
+      over that micro-batch's gradients on its replica); `use_ema` and
+      variable constraints act once per update; `loss_scale_factor`
+      unscales every micro-batch; `overwrite_with_gradient` variables take
+      the last micro-batch's gradient at the window's end. With `steps=1` on
+      one replica all of these equal `keras.optimizers.Adam`.
 
     **Changing kappa during a run.** `steps` may be a schedule
     (`keras_accum.PiecewiseSteps`, `keras_accum.AdaptiveSteps`); each window
@@ -118,45 +126,32 @@ class InvariantAdam(base.AdamFamily):
             (self._momentums[i], self._velocities[i])
             for i in map(self._get_variable_index, variables)
         ]
-
-        def fold(grads, first):
-            for g, (m, v) in zip(grads, moments):
-                g = tf.cast(base.dense(g), m.dtype)
-                # Micro-batch j of the window contributes g_j / kappa to the
-                # mean gradient; with g = g_r / replicas that is g / steps.
-                mean_part = g if fixed_one else g / _cast(steps, m.dtype)
-                # ... and g_j**2 / kappa = g**2 * replicas / steps to the mean
-                # squared gradient (the replica factor undone before squaring).
-                square_part = tf.square(g)
-                if not isinstance(steps, int) or replicas != steps:
-                    square_part = square_part * _cast(replicas / steps, m.dtype)
-                b1, b2 = _cast(beta_1_rate, m.dtype), _cast(beta_2_rate, m.dtype)
-                if first:
-                    # m = beta_1 m + (1 - beta_1) g_j / kappa (Keras's form)
-                    self.assign_add(m, (mean_part - m) * b1)
-                    self.assign_add(v, (square_part - v) * b2)
-                else:
-                    # m += (1 - beta_1) g_j / kappa
-                    self.assign_add(m, mean_part * b1)
-                    self.assign_add(v, square_part * b2)
-
-        def fold_either(grads):
-            if self.steps == 1:
-                fold(grads, first=True)
-            else:
-                tf.cond(
-                    start,
-                    lambda: fold(grads, first=True),
-                    lambda: fold(grads, first=False),
-                )
-
-        # A skipped micro-batch is a zero gradient: the window's decay of m
-        # and v still happens when it is the first.
-        self._guarded(
-            grads,
-            fold_either,
-            skip=lambda: fold_either([tf.zeros_like(g) for g in grads]),
+        # A skipped micro-batch comes back as zeros: it counts as a zero
+        # gradient, and the window's decay of m and v still happens.
+        grads, _ = self._screen(
+            [tf.cast(base.dense(g), m.dtype) for g, (m, _) in zip(grads, moments)]
         )
+        grads = self._clip_micro_batch(grads, replicas)
+        first = None if fixed_one else tf.cast(start, grads[0].dtype)
+        for g, (m, v) in zip(grads, moments):
+            # Micro-batch j of the window contributes g_j / kappa to the
+            # mean gradient; with g = g_r / replicas that is g / steps.
+            mean_part = g if fixed_one else g / _cast(steps, m.dtype)
+            # ... and g_j**2 / kappa = g**2 * replicas / steps to the mean
+            # squared gradient (the replica factor undone before squaring).
+            square_part = tf.square(g)
+            if not isinstance(steps, int) or replicas != steps:
+                square_part = square_part * _cast(replicas / steps, m.dtype)
+            # 1 - beta_i of this window (its kappa under `scaling_rule`)
+            b1, b2 = _cast(beta_1_rate, m.dtype), _cast(beta_2_rate, m.dtype)
+            if first is None:
+                # m = beta_1 m + (1 - beta_1) g (Keras's form)
+                self.assign_add(m, (mean_part - m) * b1)
+                self.assign_add(v, (square_part - v) * b2)
+            else:
+                # m += (1 - beta_1) (g_j / kappa - [window start] m)
+                self.assign_add(m, (mean_part - first * m) * b1)
+                self.assign_add(v, (square_part - first * v) * b2)
 
     def _update(self, distribution, variables, window):
         learning_rate = self.learning_rate

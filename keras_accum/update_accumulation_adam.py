@@ -4,10 +4,11 @@ import tensorflow as tf
 from keras import saving
 
 from keras_accum import base, schedules
+from keras_accum.adam_family import AdamFamily
 
 
 @saving.register_keras_serializable(package="keras_accum")
-class UpdateAccumulationAdam(base.AdamFamily):
+class UpdateAccumulationAdam(AdamFamily):
     """Adam whose moments see every micro-batch; parameters move every N.
 
     For every micro-step t (t counts micro-batches whose gradient was used;
@@ -34,7 +35,11 @@ class UpdateAccumulationAdam(base.AdamFamily):
     `nonfinite="skip_micro_batch"` leaves a non-finite micro-step out of the
     moments (on all replicas, since they share them); `"skip_window"` also
     drops the window's accumulated update A. `weight_decay` is decoupled and
-    applied once per update.
+    applied once per update. Keras's `clipnorm`, `clipvalue` and
+    `global_clipnorm` clip each micro-step gradient (Adam runs per
+    micro-step); `use_ema` and variable constraints act once per update;
+    `overwrite_with_gradient` variables take the last micro-batch's gradient
+    at the window's end.
 
     Args:
         learning_rate: float, schedule (sees the update count) or callable.
@@ -69,70 +74,75 @@ class UpdateAccumulationAdam(base.AdamFamily):
     def _accumulate(self, distribution, grads, variables, weight, start):
         # Moments are shared: reduce the gradient every micro-step (SUM of the
         # replicas' shares is the replica-mean gradient).
-        reduced = distribution.extended.batch_reduce_to(
-            tf.distribute.ReduceOp.SUM,
-            [(base.dense(g), v.value) for g, v in zip(grads, variables)],
+        reduced = self._reduce(distribution, grads, variables)
+        # Every replica now holds the same micro-step gradient: screen and
+        # clip it on each (each counts the skip of its own micro-batch).
+        reduced, ok = distribution.extended.call_for_each_replica(
+            self._prepare, args=(reduced, variables)
         )
+        ok = (
+            None
+            if self.nonfinite in (None, "raise")
+            else distribution.experimental_local_results(ok)[0]
+        )
+        # t = micro-steps folded into the moments so far (a skip adds none)
+        t = self._moment_steps.assign_add(1 if ok is None else tf.cast(ok, "int64"))
+        learning_rate = self.learning_rate
+        for g, var in zip(reduced, variables):
+            distribution.extended.update(
+                var.value,
+                self._micro_update,
+                args=(g, learning_rate, t, start, ok),
+                group=False,
+            )
 
-        def step():
-            t = self._moment_steps.assign_add(1)
-            learning_rate = self.learning_rate
-            for g, var in zip(reduced, variables):
-                distribution.extended.update(
-                    var.value,
-                    self._micro_update,
-                    args=(g, learning_rate, t, start),
-                    group=False,
-                )
+    def _reduce(self, distribution, grads, variables):
+        """SUM over replicas. A tensor that every replica handed in (not a
+        per-replica value) sums to replicas x itself."""
+        grads = [base.dense(g) for g in grads]
+        replicas = distribution.num_replicas_in_sync
+        split = [isinstance(g, tf.distribute.DistributedValues) for g in grads]
+        pairs = [(g, v.value) for g, v, s in zip(grads, variables, split) if s]
+        summed = iter(
+            distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+            if pairs
+            else []
+        )
+        return [
+            next(summed) if s else g * replicas if replicas > 1 else g for g, s in zip(grads, split)
+        ]
 
-        if self.nonfinite is None:
-            step()
-            return
-        local = [distribution.experimental_local_results(g)[0] for g in reduced]
-        if self.nonfinite == "raise":
-            with tf.control_dependencies(
-                [
-                    tf.debugging.check_numerics(
-                        g, f"{self.name}: non-finite gradient (nonfinite='raise')"
-                    )
-                    for g in local
-                ]
-            ):
-                step()
-            return
+    def _prepare(self, grads, variables):
+        grads = [tf.cast(g, v.dtype) for g, v in zip(grads, variables)]
+        grads, ok = self._screen(grads)
+        grads = self._clip_micro_batch(grads, 1)
+        return grads, (tf.constant(True) if ok is None else ok)
 
-        def skip():
-            # Every replica's micro-batch of this step is dropped.
-            def mark():
-                self._skipped_micro_batches.assign_add(1)
-                if self.nonfinite == "skip_window":
-                    self._window_bad.assign_add(1)
-
-            distribution.extended.call_for_each_replica(mark)
-
-        tf.cond(base.all_finite(local), step, skip)
-
-    def _micro_update(self, variable, gradient, learning_rate, t, start):
+    def _micro_update(self, variable, gradient, learning_rate, t, start, ok):
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
-        gradient = tf.cast(gradient, variable.dtype)
         lr = tf.cast(learning_rate, variable.dtype)
-        # alpha_t uses t = micro-steps folded into the moments so far.
-        alpha = self._adam_alpha(learning_rate, t, variable.dtype)
-        self.assign_add(m, (gradient - m) * (1 - self.beta_1))
-        self.assign_add(v, (tf.square(gradient) - v) * (1 - self.beta_2))
+        keep = None if ok is None else tf.cast(ok, variable.dtype)
+        # alpha_t uses t = micro-steps folded into the moments so far (>= 1,
+        # also before the first finite one).
+        alpha = self._adam_alpha(learning_rate, tf.maximum(t, 1), variable.dtype)
+        dm = (gradient - m) * (1 - self.beta_1)
+        dv = (tf.square(gradient) - v) * (1 - self.beta_2)
+        if keep is not None:  # a skipped micro-step leaves m and v as they are
+            dm, dv = dm * keep, dv * keep
+        self.assign_add(m, dm)
+        self.assign_add(v, dv)
         adam_step = (m * alpha) / (tf.sqrt(v) + self.epsilon)
+        if keep is not None:
+            adam_step = adam_step * keep
         if self._updates is None:
-            self._decay(variable, lr)
+            self._decay(variable, lr if keep is None else lr * keep)
             self.assign_sub(variable, adam_step)
             return
         update = self._updates[index]
-        # A = adam_step at the window's first micro-step, else A + adam_step
-        tf.cond(
-            start,
-            lambda: update.assign(adam_step),
-            lambda: update.assign_add(adam_step),
-        )
+        # A = step at the window's first micro-step (whatever came before,
+        # also when that micro-step is skipped), else A + step
+        update.assign(tf.where(start, adam_step, update + adam_step))
 
     def _update(self, distribution, variables, window):
         if self._updates is None:  # steps == 1: applied in the micro-step

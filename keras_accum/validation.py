@@ -13,6 +13,10 @@ ValueError: `steps` must be an integer >= 1. Received: steps=0
 Traceback (most recent call last):
 ...
 ValueError: `jit_compile` must be True or False. Received: jit_compile='no'
+>>> check_rate("learning_rate", -0.1)
+Traceback (most recent call last):
+...
+ValueError: `learning_rate` must be a finite number >= 0.0. Received: learning_rate=-0.1
 >>> check_choice("rule", "linear", ("invariant", "sqrt", "power"))
 Traceback (most recent call last):
 ...
@@ -86,4 +90,13 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
             f"`{name}` must be one of {', '.join(repr(c) for c in choices)}. "
             f"Received: {name}={value!r}"
         )
+    return value
+
+
+def check_rate(name: str, value: Any) -> Any:
+    """A learning rate or decay: a finite number >= 0, or a schedule,
+    callable, tensor or variable (checked where it is evaluated)."""
+    if callable(value) or (hasattr(value, "dtype") and hasattr(value, "shape")):
+        return value
+    check_float(name, value, minimum=0.0)
     return value

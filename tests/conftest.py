@@ -31,6 +31,7 @@ def mirrored_strategy():
     """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
+
 # A worker script run as a subprocess, not a test module (doctest collection
 # would import it and run its argument parser).
 collect_ignore = ["_train_job.py"]

@@ -52,10 +52,12 @@ def test_no_nested_or_double_accumulation():
 
 
 @pytest.mark.parametrize("name", ["invariant_adam", "update_accumulation_adam"])
-@pytest.mark.parametrize("argument", ["clipnorm", "global_clipnorm", "use_ema"])
-def test_adam_variants_refuse_what_they_do_not_implement(name, argument):
+def test_adam_variants_refuse_keras_accumulation(name):
+    # They accumulate themselves; clipping, EMA and the rest are supported
+    # (tests/test_ported.py).
+    argument = "gradient_accumulation_steps"
     with pytest.raises(ValueError, match=f"does not support `{argument}`"):
-        OPTIMIZERS[name](**{argument: 1.0})
+        OPTIMIZERS[name](**{argument: 2})
 
 
 def test_invariant_adam_refuses_skip_window():
@@ -120,3 +122,93 @@ def test_unknown_rule_and_bad_kappa():
     for kappa in (0, -1, True, "2", float("inf")):
         with pytest.raises(ValueError, match=f"Received: kappa={kappa!r}"):
             ka.scale_hyperparameters(kappa=kappa, rule="invariant", **BASE)
+
+
+# -- bad input to the API: a ValueError naming the argument, echoing it -------
+
+BAD_CONSTRUCTION = [
+    ("beta_1", 1.0),
+    ("beta_1", -0.1),
+    ("beta_2", 1.0),
+    ("beta_2", 1.5),
+    ("epsilon", -1e-7),
+    ("epsilon", "small"),
+    ("learning_rate", -0.1),
+    ("weight_decay", -0.01),
+]
+
+
+@pytest.mark.parametrize("name", ["invariant_adam", "update_accumulation_adam"])
+@pytest.mark.parametrize("argument, value", BAD_CONSTRUCTION)
+def test_bad_hyperparameter(name, argument, value):
+    with pytest.raises(ValueError, match=rf"`{argument}` .*Received: {argument}={value!r}$"):
+        OPTIMIZERS[name](**{argument: value})
+
+
+BAD_APPLY = {
+    "weight_zero": dict(weight=0.0, match=r"`weight` .*Received: weight=0\.0"),
+    "weight_negative": dict(weight=-2, match=r"`weight` .*Received: weight=-2"),
+    "weight_bool": dict(weight=True, match=r"`weight` .*Received: weight=True"),
+    "weight_vector": dict(weight=tf.constant([1.0, 2.0]), match=r"`weight` .*Received: weight="),
+    "weight_array": dict(weight=np.ones(2), match=r"`weight` .*Received: weight=array"),
+    "weight_zero_tensor": dict(weight=tf.constant(0.0), match=r"`weight` .*Received: weight="),
+    "fewer_grads": dict(grads=1, match=r"`grads` .*Received: len\(grads\)=1"),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("case", BAD_APPLY)
+def test_bad_apply_changes_nothing(name, case):
+    case = dict(BAD_APPLY[case])
+    variables = [keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(3, "float32"))]
+    grads = [tf.ones(2), tf.ones(3)][: case.pop("grads", 2)]
+    opt = OPTIMIZERS[name](steps=1)
+    with pytest.raises(ValueError, match=case["match"]):
+        opt.apply(grads, variables, weight=case.get("weight"))
+    for v in variables:
+        np.testing.assert_array_equal(v.numpy(), np.ones(v.shape))
+    assert not opt.built or int(opt.micro_step) == 0
+
+
+def test_weigh_micro_batches_bad_argument():
+    with pytest.raises(ValueError, match=r"`model` must be a `keras.Model`. Received: model='m'"):
+        ka.weigh_micro_batches("m")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="after `model.compile`"):
+        ka.weigh_micro_batches(model)
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+    with pytest.raises(ValueError, match=r"Received: reduction='sum'"):
+        ka.weigh_micro_batches(model)
+
+
+# -- wrappers -----------------------------------------------------------------
+
+
+def test_loss_scale_optimizer_inside_is_refused():
+    inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+    with pytest.raises(ValueError, match=r"Put the loss scaler outside.*Received: optimizer="):
+        ka.GradientAccumulation(inner, steps=4)
+
+
+def test_get_weights_set_weights_round_trip_continues_identically():
+    rng = np.random.default_rng(0)
+    micro = rng.normal(size=(9, 3)).astype("float32")
+
+    def run(opt, var, grads):
+        for g in grads:
+            opt.apply([tf.constant(g)], [var])
+
+    make = lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.1), steps=3)
+    var, opt = keras.Variable(np.zeros(3, "float32")), make()
+    run(opt, var, micro[:5])  # mid-window, Adam moments non-zero
+    saved, at = opt.get_weights(), var.numpy().copy()
+    assert len(saved) == len(opt.variables) > len(opt._variables)  # inner state included
+    run(opt, var, micro[5:])
+
+    other_var, other = keras.Variable(at), make()
+    other.build([other_var])
+    other.set_weights(saved)
+    run(other, other_var, micro[5:])
+    np.testing.assert_array_equal(other_var.numpy(), var.numpy())
+    for a, b in zip(other.get_weights(), opt.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -8,6 +8,7 @@ the one-device reference is fed the same micro-batches one per call.
 import keras
 import numpy as np
 import pytest
+import references
 import tensorflow as tf
 from conftest import mirrored_strategy
 
@@ -211,3 +212,32 @@ def test_weigh_micro_batches_makes_fit_exact_for_a_short_last_batch(replicas):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # Without it, the mean of means: measurably different.
     assert max(np.abs(a - b).max() for a, b in zip(results[False], expected)) > 1e-4
+
+
+def test_mirrored_skip_on_one_replica_leaves_no_stale_replica_sum():
+    # Window 1: all finite. Window 2: replica 1 non-finite on both calls: its
+    # sum from window 1 must not enter window 2 (a stale replica sum).
+    strategy = mirrored()
+    with strategy.scope():
+        var = keras.Variable(np.zeros(1, "float32"))
+        opt = ka.GradientAccumulation(keras.optimizers.SGD(1.0), steps=2)
+        opt.build([var])
+    values = [[1.0, 2.0], [3.0, 4.0], [5.0, np.nan], [6.0, np.nan]]  # [call][replica]
+
+    @tf.function
+    def step(grads):
+        strategy.run(lambda g: opt.apply([g], [var]), args=(grads,))
+
+    reference = references.GradientAccumulation(references.SGD(1.0), 4)
+    theta = [np.zeros(1)]
+    for call in values:
+        per_replica = strategy.experimental_distribute_values_from_function(
+            lambda ctx, call=call: tf.constant([call[ctx.replica_id_in_sync_group] / 2], "float32")
+        )
+        step(per_replica)
+        for g in call:
+            theta = reference.apply(theta, [np.array([g])])
+    # Window 1: mean of 1..4 = 2.5; window 2: mean of 5 and 6 = 5.5.
+    np.testing.assert_allclose(var.numpy(), theta[0], rtol=1e-6)
+    np.testing.assert_allclose(var.numpy(), [-8.0], rtol=1e-6)
+    assert int(opt.skipped_micro_batches.numpy()) == 2

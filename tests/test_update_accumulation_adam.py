@@ -3,38 +3,27 @@
 import keras
 import numpy as np
 import pytest
+import references
 import tensorflow as tf
+from conftest import mirrored_strategy
 
 import keras_accum as ka
 
 
-def np_update_accumulation_adam(theta, targets, steps, lr, b1=0.9, b2=0.999, eps=1e-7):
-    """Loss 0.5 |theta - target_t|^2 per micro-batch, in float64. Returns
-    theta after each micro-step."""
-    m = v = acc = np.zeros_like(theta)
-    history = []
-    for t, target in enumerate(targets, start=1):
-        g = theta - target  # taken at the stale theta of the window
-        m = m + (g - m) * (1 - b1)
-        v = v + (g * g - v) * (1 - b2)
-        acc = acc + lr * np.sqrt(1 - b2**t) / (1 - b1**t) * m / (np.sqrt(v) + eps)
-        if t % steps == 0:
-            theta, acc = theta - acc, np.zeros_like(theta)
-        history.append(theta)
-    return history
-
-
 @pytest.mark.parametrize("steps", [1, 3])
 def test_matches_numpy_reference(steps):
+    # Loss 0.5 |theta - target_t|^2 per micro-batch: g = theta - target_t,
+    # taken at the stale theta of the window.
     rng = np.random.default_rng(steps)
     targets = rng.normal(size=(4 * steps, 6))
-    theta = rng.normal(size=6)
-    expected = np_update_accumulation_adam(theta, targets, steps, 0.05)
-    var = keras.Variable(theta.astype("float32"))
+    theta = [rng.normal(size=6)]
+    reference = references.UpdateAccumulationAdam(0.05, steps)
+    var = keras.Variable(theta[0].astype("float32"))
     opt = ka.UpdateAccumulationAdam(0.05, steps=steps)
-    for target, want in zip(targets, expected):
+    for target in targets:
         opt.apply([var - target.astype("float32")], [var])
-        np.testing.assert_allclose(var.numpy(), want, rtol=1e-5, atol=1e-5)
+        theta = reference.apply(theta, [theta[0] - target])
+        np.testing.assert_allclose(var.numpy(), theta[0], rtol=1e-5, atol=1e-5)
     assert int(opt.iterations) == 4
 
 
@@ -84,3 +73,44 @@ def test_skip_micro_batch_leaves_moments_untouched():
         np.testing.assert_array_equal(after.numpy(), before)
     assert int(opt.skipped_micro_batches.numpy()) == 1
     assert int(opt.iterations) == 1  # the window's one good step applied
+
+
+@pytest.mark.parametrize("skipped", [0, 1, 3, 4])
+def test_skipped_micro_batch_leaves_the_state_of_the_window_without_it(skipped):
+    # One parameter, g = 1 + micro-step index; micro-step `skipped` is NaN.
+    # Skipping the first of a window (0 or 4) must not leave the previous
+    # window's update A in place (a stale update).
+    var = keras.Variable(np.zeros(1, "float32"))
+    opt = ka.UpdateAccumulationAdam(0.1, steps=4)
+    reference = references.UpdateAccumulationAdam(0.1, 4)
+    theta = [np.zeros(1)]
+    for j in range(8):
+        g = np.array([np.nan if j == skipped else 1.0 + j])
+        opt.apply([tf.constant(g, "float32")], [var])
+        theta = reference.apply(theta, [g])
+        np.testing.assert_allclose(var.numpy(), theta[0], rtol=1e-5, atol=1e-6)
+    assert int(opt.skipped_micro_batches.numpy()) == 1
+    assert int(opt.iterations) == 2
+
+
+def test_same_gradient_tensor_from_every_replica():
+    # Each replica hands in the same tensor: it is each replica's share, so
+    # the micro-step gradient is replicas x g (what per-replica values give).
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        var = keras.Variable(np.zeros(3, "float32"))
+        opt = ka.UpdateAccumulationAdam(0.1, steps=2)
+        opt.build([var])
+    g = tf.constant([1.0, -2.0, 3.0])
+
+    @tf.function
+    def step():
+        strategy.run(lambda: opt.apply([g], [var]))
+
+    for _ in range(2):
+        step()
+    reference = references.UpdateAccumulationAdam(0.1, 2)
+    theta = [np.zeros(3)]
+    for _ in range(2):
+        theta = reference.apply(theta, [2 * g.numpy().astype("float64")])
+    np.testing.assert_allclose(var.numpy(), theta[0], rtol=1e-5, atol=1e-6)

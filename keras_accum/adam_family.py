@@ -1,0 +1,90 @@
+"""Constructor, clipping and Adam arithmetic shared by the two Adam
+variants (`InvariantAdam`, `UpdateAccumulationAdam`)."""
+
+import tensorflow as tf
+
+from keras_accum.base import AccumulationOptimizer
+from keras_accum.validation import check_float, check_rate
+
+# Base-optimizer arguments the Adam variants do not implement.
+ADAM_UNSUPPORTED = ("gradient_accumulation_steps",)
+
+
+class AdamFamily(AccumulationOptimizer):
+    """Constructor and config shared by the two Adam variants.
+
+    Keras's `clipnorm`, `clipvalue`, `global_clipnorm`, `use_ema`,
+    `ema_momentum`, `ema_overwrite_frequency`, `loss_scale_factor` and
+    `weight_decay` are accepted; with `steps=1` on one replica each behaves as
+    in `keras.optimizers.Adam`.
+    """
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-7,
+        steps=1,
+        nonfinite="skip_micro_batch",
+        weight_decay=None,
+        name=None,
+        **kwargs,
+    ):
+        for unsupported in ADAM_UNSUPPORTED:
+            if kwargs.get(unsupported):
+                raise ValueError(
+                    f"{self.__class__.__name__} does not support `{unsupported}`"
+                    f" (set `steps`). Received: {unsupported}={kwargs[unsupported]!r}"
+                )
+        check_rate("learning_rate", learning_rate)
+        if weight_decay is not None:
+            check_rate("weight_decay", weight_decay)
+        for beta_name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
+            if not callable(beta):
+                check_float(beta_name, beta, minimum=0.0, maximum=1.0, open_maximum=True)
+        check_float("epsilon", epsilon, minimum=0.0)
+        super().__init__(
+            learning_rate=learning_rate,
+            steps=steps,
+            nonfinite=nonfinite,
+            weight_decay=weight_decay,
+            name=name,
+            **kwargs,
+        )
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+
+    def _clip_micro_batch(self, grads, replicas):
+        """Keras's clipping applied to one micro-batch's mean gradient; the
+        incoming per-replica share is `replicas` times smaller."""
+        if not (self.clipnorm or self.global_clipnorm or self.clipvalue):
+            return grads
+        if replicas == 1:
+            return self._clip_gradients(grads)
+        clipped = self._clip_gradients([g * replicas for g in grads])
+        return [g / replicas for g in clipped]
+
+    def _adam_alpha(self, learning_rate, count, dtype):
+        """alpha = lr * sqrt(1 - beta_2^count) / (1 - beta_1^count), as
+        `keras.optimizers.Adam` computes it."""
+        lr = tf.cast(learning_rate, dtype)
+        count = tf.cast(count, dtype)
+        return (
+            lr
+            * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, dtype), count))
+            / (1 - tf.pow(tf.cast(self.beta_1, dtype), count))
+        )
+
+    def _decay(self, variable, lr):
+        if self.weight_decay is not None and self._use_weight_decay(variable):
+            # theta = theta - lr * weight_decay * theta
+            variable.assign_sub(variable * tf.cast(self.weight_decay, variable.dtype) * lr)
+
+    def get_config(self):
+        config = super().get_config()
+        for name in ADAM_UNSUPPORTED:
+            config.pop(name, None)
+        config.update({"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon})
+        return config

@@ -1,0 +1,130 @@
+"""Numpy references (float64) written from the update equations.
+
+Each works on lists of arrays (one per variable) and is driven one
+micro-batch at a time, like the optimizers: `apply(params, grads)` returns
+the parameters after that micro-batch. A micro-batch whose gradients are not
+all finite is skipped as the `"skip_micro_batch"` policy defines it.
+"""
+
+import numpy as np
+
+
+def clip(grads, clipnorm=None, clipvalue=None, global_clipnorm=None):
+    """Keras's clipping: per tensor norm, global norm, or by value."""
+    if clipnorm:
+        return [g * clipnorm / max(np.linalg.norm(g), clipnorm) for g in grads]
+    if global_clipnorm:
+        norm = np.sqrt(sum(np.sum(g * g) for g in grads))
+        return [g * global_clipnorm / max(norm, global_clipnorm) for g in grads]
+    if clipvalue:
+        return [np.clip(g, -clipvalue, clipvalue) for g in grads]
+    return grads
+
+
+def finite(grads):
+    return all(np.all(np.isfinite(g)) for g in grads)
+
+
+class Adam:
+    """`keras.optimizers.Adam`: clip, decay theta by lr * weight_decay, then
+    m += (g - m)(1 - b1), v += (g^2 - v)(1 - b2),
+    theta -= lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)."""
+
+    def __init__(self, lr, b1=0.9, b2=0.999, eps=1e-7, weight_decay=0.0, **clipping):
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, b1, b2, eps, weight_decay
+        self.clipping, self.t, self.m, self.v = clipping, 0, None, None
+
+    def alpha(self, t):
+        return self.lr * np.sqrt(1 - self.b2**t) / (1 - self.b1**t)
+
+    def fold(self, grads):
+        """One gradient into the moments (t += 1); returns m / (sqrt v + eps)."""
+        if self.m is None:
+            self.m, self.v = [0 * g for g in grads], [0 * g for g in grads]
+        self.t += 1
+        self.m = [m + (g - m) * (1 - self.b1) for g, m in zip(grads, self.m)]
+        self.v = [v + (g * g - v) * (1 - self.b2) for g, v in zip(grads, self.v)]
+        return [m / (np.sqrt(v) + self.eps) for m, v in zip(self.m, self.v)]
+
+    def decay(self, params):
+        return [p - p * self.wd * self.lr for p in params]
+
+    def apply(self, params, grads):
+        direction = self.fold(clip(grads, **self.clipping))
+        return [p - self.alpha(self.t) * d for p, d in zip(self.decay(params), direction)]
+
+
+class GradientAccumulation:
+    """S = sum_j w_j g_j, W = sum_j w_j over a window of `steps`; at its end
+    `inner.apply(params, S / W)` (nothing when every micro-batch skipped)."""
+
+    def __init__(self, inner, steps):
+        self.inner, self.steps, self.calls = inner, steps, 0
+        self.total, self.weight = None, 0.0
+
+    def apply(self, params, grads, weight=1.0):
+        if self.calls % self.steps == 0:
+            self.total, self.weight = [0 * p for p in params], 0.0
+        self.calls += 1
+        if finite(grads):
+            self.total = [s + weight * g for s, g in zip(self.total, grads)]
+            self.weight += weight
+        if self.calls % self.steps or self.weight == 0:
+            return params
+        return self.inner.apply(params, [s / self.weight for s in self.total])
+
+
+class UpdateAccumulationAdam(Adam):
+    """Per micro-batch: clip, fold g into m and v (t counts folds), and
+    A += alpha_t m / (sqrt v + eps); every `steps`: decay, theta -= A."""
+
+    def __init__(self, lr, steps, **kwargs):
+        super().__init__(lr, **kwargs)
+        self.steps, self.calls, self.update = steps, 0, None
+
+    def apply(self, params, grads):
+        if self.calls % self.steps == 0:
+            self.update = [0 * p for p in params]
+        self.calls += 1
+        if finite(grads):
+            direction = self.fold(clip(grads, **self.clipping))
+            self.update = [a + self.alpha(self.t) * d for a, d in zip(self.update, direction)]
+        if self.calls % self.steps:
+            return params
+        return [p - a for p, a in zip(self.decay(params), self.update)]
+
+
+class InvariantAdam(Adam):
+    """Over a window of kappa micro-batches (clipped each, a skipped one is a
+    zero gradient): m = b1 m + (1 - b1) mean_j g_j,
+    v = b2 v + (1 - b2) mean_j g_j^2; then decay and
+    theta -= lr sqrt(1 - b2^k) / (1 - b1^k) m / (sqrt(v) + eps)."""
+
+    def __init__(self, lr, kappa, **kwargs):
+        super().__init__(lr, **kwargs)
+        self.kappa, self.window = kappa, []
+
+    def apply(self, params, grads):
+        grads = clip(grads, **self.clipping) if finite(grads) else [0 * p for p in params]
+        self.window.append(grads)
+        if len(self.window) < self.kappa:
+            return params
+        mean = [np.mean(gs, 0) for gs in zip(*self.window)]
+        square = [np.mean(np.square(gs), 0) for gs in zip(*self.window)]
+        self.window, self.t = [], self.t + 1
+        if self.m is None:
+            self.m, self.v = [0 * g for g in mean], [0 * g for g in mean]
+        self.m = [self.b1 * m + (1 - self.b1) * g for m, g in zip(self.m, mean)]
+        self.v = [self.b2 * v + (1 - self.b2) * s for v, s in zip(self.v, square)]
+        step = [m / (np.sqrt(v) + self.eps) for m, v in zip(self.m, self.v)]
+        return [p - self.alpha(self.t) * d for p, d in zip(self.decay(params), step)]
+
+
+class SGD:
+    """theta -= lr g."""
+
+    def __init__(self, lr):
+        self.lr = lr
+
+    def apply(self, params, grads):
+        return [p - self.lr * g for p, g in zip(params, grads)]
