@@ -1,12 +1,13 @@
 """Batch-size schedules: PiecewiseSteps, AdaptiveSteps and the optimizers
-under them, against numpy references written from the equations
-(ALGORITHMS.md-style: each window k has its own kappa_k)."""
+under them, against numpy references written from the equations (each
+window k has its own kappa_k; tests/references.py)."""
 
 import bisect
 
 import keras
 import numpy as np
 import pytest
+import references
 import tensorflow as tf
 from conftest import mirrored_strategy
 
@@ -25,57 +26,41 @@ def np_window_sizes(boundaries, values, micro_steps):
     return sizes
 
 
-def np_scheduled_invariant_adam(theta, windows, lr, b1, b2, eps=1e-7, rule=None, lr_fn=None):
-    """InvariantAdam with window k of kappa_k = len(windows[k]) micro-batches.
-
-    rule None: the betas and lr as given; "invariant": lr_k = kappa lr,
-    1 - beta_k = kappa (1 - beta); "power": lr_k = kappa lr, beta_k = beta**kappa.
-    Bias correction from P_i = prod of the betas applied. `lr_fn(n)` is the
-    base rate after n micro-batches (rule) or n updates (no rule).
-    """
-    m = v = np.zeros_like(theta)
-    p1 = p2 = 1.0
-    consumed = 0
-    for k, g in enumerate(windows):
-        kappa = len(g)
-        base = lr_fn(consumed if rule else k) if lr_fn else lr
-        if rule is None:
-            lr_k, b1k, b2k = base, b1, b2
-        elif rule == "invariant":
-            lr_k, b1k, b2k = kappa * base, 1 - kappa * (1 - b1), 1 - kappa * (1 - b2)
-        else:
-            lr_k, b1k, b2k = kappa * base, b1**kappa, b2**kappa
-        m = b1k * m + (1 - b1k) * g.mean(0)
-        v = b2k * v + (1 - b2k) * (g**2).mean(0)  # square, then average
-        p1, p2 = p1 * b1k, p2 * b2k
-        theta = theta - lr_k * np.sqrt(1 - p2) / (1 - p1) * m / (np.sqrt(v) + eps)
-        consumed += kappa
-    return theta
-
-
-def np_adam(theta, grads, lr, b1=0.9, b2=0.999, eps=1e-7):
-    """Keras Adam, one step per gradient in `grads`."""
-    m = v = np.zeros_like(theta)
-    for t, g in enumerate(grads, start=1):
-        m = m + (g - m) * (1 - b1)
-        v = v + (g**2 - v) * (1 - b2)
-        theta = theta - lr * np.sqrt(1 - b2**t) / (1 - b1**t) * m / (np.sqrt(v) + eps)
-    return theta
-
-
-def np_update_accumulation_adam(theta, windows, lr, b1=0.9, b2=0.999, eps=1e-7):
-    """Adam moments every micro-batch; the summed steps applied per window."""
-    m = v = np.zeros_like(theta)
-    t = 0
+def np_gradient_accumulation_adam(theta, windows, lr):
+    """Keras Adam stepped once per window on the window's mean gradient."""
+    adam = references.Adam(lr)
     for window in windows:
-        update = np.zeros_like(theta)
+        [theta] = adam.apply([theta], [window.mean(0)])
+    return theta
+
+
+def np_update_accumulation_adam(theta, windows, lr):
+    """Adam moments every micro-batch; the summed steps applied per window."""
+    adam = references.Adam(lr)
+    for window in windows:
+        update = 0 * theta
         for g in window:
-            t += 1
-            m = m + (g - m) * (1 - b1)
-            v = v + (g**2 - v) * (1 - b2)
-            update += lr * np.sqrt(1 - b2**t) / (1 - b1**t) * m / (np.sqrt(v) + eps)
+            [direction] = adam.fold([g])
+            update = update + adam.alpha(adam.t) * direction
         theta = theta - update
     return theta
+
+
+@pytest.mark.parametrize("rule", ["invariant", "power"])
+def test_reference_with_constant_kappa_is_the_scaled_one(rule):
+    # P_i = beta_i,k ** k when kappa is constant: the scheduled reference is
+    # then InvariantAdam's with scale_hyperparameters(kappa, rule).
+    rng = np.random.default_rng(9)
+    windows, theta = [rng.normal(size=(4, 3)) for _ in range(6)], rng.normal(size=3)
+    scaled = ka.scale_hyperparameters(4, rule, 0.01, beta_1=0.9, beta_2=0.99)
+    shared = references.InvariantAdam(
+        scaled["learning_rate"], 4, b1=scaled["beta_1"], b2=scaled["beta_2"]
+    )
+    params = [theta]
+    for g in np.concatenate(windows):
+        params = shared.apply(params, [g])
+    ours = references.scheduled_invariant_adam(theta, windows, 0.01, 0.9, 0.99, rule=rule)
+    np.testing.assert_allclose(ours, params[0], rtol=1e-12)
 
 
 # -- PiecewiseSteps -----------------------------------------------------------
@@ -170,7 +155,9 @@ def test_invariant_adam_matches_reference(rule):
     assert sorted({len(w) for w in windows}) == [1, 2, 4]
     assert traces == 1  # the size changes without retracing
     for k in range(len(windows)):
-        expected = np_scheduled_invariant_adam(theta, windows[: k + 1], 0.02, 0.8, 0.95, rule=rule)
+        expected = references.scheduled_invariant_adam(
+            theta, windows[: k + 1], 0.02, 0.8, 0.95, rule=rule
+        )
         np.testing.assert_allclose(after[k], expected, rtol=1e-5, atol=1e-6)
 
 
@@ -186,7 +173,7 @@ def test_invariant_rule_lr_schedule_sees_micro_batches_consumed():
     def lr_fn(n):  # PiecewiseConstantDecay: 0.02 while n <= 4
         return 0.02 if n <= 4 else 0.005
 
-    expected = np_scheduled_invariant_adam(
+    expected = references.scheduled_invariant_adam(
         theta, windows, None, 0.9, 0.999, rule="invariant", lr_fn=lr_fn
     )
     np.testing.assert_allclose(after[-1], expected, rtol=1e-5, atol=1e-6)
@@ -223,7 +210,7 @@ def test_gradient_accumulation_matches_reference():
     theta, windows, after, traces = run_schedule(opt, np.random.default_rng(5))
     assert traces == 1
     for k in range(len(windows)):
-        expected = np_adam(theta, [w.mean(0) for w in windows[: k + 1]], 0.02)
+        expected = np_gradient_accumulation_adam(theta, windows[: k + 1], 0.02)
         np.testing.assert_allclose(after[k], expected, rtol=1e-5, atol=1e-6)
 
 
