@@ -1,12 +1,15 @@
-"""The batch-size schedules study: smoke run end to end, with the
-properties its runs must have whatever the numbers."""
+"""The batch-size schedules study (smoke run end to end, with the
+properties its runs must have whatever the numbers), the character LM, and
+runs configured with a steps schedule."""
 
 import pathlib
 
 import numpy as np
 import pytest
 
-from keras_accum.experiments import experiment, schedules_study
+import keras_accum as ka
+from keras_accum.experiments import config as cfg
+from keras_accum.experiments import experiment, run_config, schedules_study
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -88,3 +91,49 @@ def test_char_lm_is_causal():
     a, b = model(x[:2]).numpy(), model(changed).numpy()
     np.testing.assert_allclose(a[:, :40], b[:, :40], rtol=1e-5, atol=1e-6)
     assert np.abs(a[:, 40:] - b[:, 40:]).max() > 1e-3
+
+
+# -- runs from a config (keras_accum.experiments.experiment) -----------------
+
+
+def test_config_takes_a_schedule(tmp_path):
+    base = {"steps": 4, "steps_boundaries": [20], "steps_values": [1, 4]}
+    config = experiment.resolve_config({**base, "scaling_rule": "power"})
+    opt = experiment.make_optimizer(config, kappa=4, total_updates=10)
+    assert isinstance(opt, ka.InvariantAdam) and opt.scaling_rule == "power"
+    assert opt.steps.get_config() == {"boundaries": [20], "values": [1, 4]}
+    assert opt.learning_rate.numpy() == np.float32(config["learning_rate"])  # unscaled
+    # Flags spell the lists comma-separated.
+    field = {f.name: f for f in run_config.FIELDS}["steps_values"]
+    assert field.parse("1,4,16") == [1, 4, 16]
+    for bad, match in [
+        ({"steps_values": [1, 4]}, "both"),
+        ({**base, "steps": 8}, "largest window 4"),
+        ({**base, "steps_values": [1, 0]}, "values"),
+        ({**base, "scaling_rule": "sqrt"}, "only optimizer='invariant_adam'"),
+        ({**base, "scaling_rule": "invariant", "optimizer": "gradient_accumulation"}, "only"),
+        ({**base, "lr_schedule": "cosine"}, "needs a scaling_rule"),
+        ({**base, "strategy": "multi_worker"}, "constant `steps`"),
+    ]:
+        with pytest.raises(cfg.ConfigError, match=match):
+            experiment.resolve_config(bad)
+
+
+def test_train_and_evaluate_with_a_schedule(tmp_path):
+    config = {
+        "dataset": "mnist1d",
+        "data_dir": str(tmp_path / "tfds"),
+        "model": "mlp",
+        "micro_batch_size": 50,
+        "steps": 4,
+        "steps_boundaries": [30],
+        "steps_values": [1, 4],
+        "scaling_rule": "invariant",
+        "epochs": 1,
+        "verbose": 0,
+    }
+    final = experiment.train_and_evaluate(config, tmp_path / "run")
+    # 4000 examples = 20 windows of 4 x 50 = 80 micro-batches: 30 windows
+    # of 1, then (80 - 30) / 4 = 12.5 windows of 4: 12 whole ones.
+    assert final["updates"] == 30 + 12
+    assert np.isfinite(final["test_loss"])
