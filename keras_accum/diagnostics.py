@@ -321,3 +321,30 @@ class NoiseScaleCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs.update({k: float(v) for k, v in self.tracker.result().items()})
+
+    def get_state(self):
+        """The estimator's state as JSON-serialisable values: batches seen,
+        the tracker's variables and the position in `data`, so that a
+        resumed run (`set_state`) probes the same batches and reports the
+        same numbers as an uninterrupted one."""
+        tracker = self.tracker
+        return {
+            "seen": self._seen,
+            "updates": int(tracker.updates.numpy()),
+            "trace_sigma_acc": float(tracker.trace_sigma_acc.numpy()),
+            "g2_acc": float(tracker.g2_acc.numpy()),
+            "rng": self._rng.bit_generator.state,
+        }
+
+    def set_state(self, state):
+        """Restores `get_state()` into a fresh callback; its dataset
+        iterator is advanced past the probes already drawn (a new iterator
+        of a reshuffling dataset could see another order)."""
+        self._seen = int(state["seen"])
+        self.tracker.updates.assign(state["updates"])
+        self.tracker.trace_sigma_acc.assign(state["trace_sigma_acc"])
+        self.tracker.g2_acc.assign(state["g2_acc"])
+        self._rng.bit_generator.state = state["rng"]
+        if self._arrays is None:
+            for _ in range(self._seen // self.every_n_batches):
+                next(self._iterator)

@@ -28,11 +28,16 @@ from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", None, "saved_configs/*.py file.", required=True)
-flags.DEFINE_integer("seeds", 5, "Seeds 0 .. N-1.", lower_bound=1)
-flags.DEFINE_string("workdir", None, "Folder for the runs (seed_K/ each).", required=True)
-flags.DEFINE_string("data_dir", None, "TFDS data_dir passed to every run (default: config's).")
-flags.DEFINE_string("splice", None, "FILE:SECTION to write the table into.")
+
+
+def define_flags():
+    """The script's flags, defined when it runs (not when a test imports
+    its functions beside other scripts' flags)."""
+    flags.DEFINE_string("config", None, "saved_configs/*.py file.", required=True)
+    flags.DEFINE_integer("seeds", 5, "Seeds 0 .. N-1.", lower_bound=1)
+    flags.DEFINE_string("workdir", None, "Folder for the runs (seed_K/ each).", required=True)
+    flags.DEFINE_string("data_dir", None, "TFDS data_dir passed to every run (default: config's).")
+    flags.DEFINE_string("splice", None, "FILE:SECTION to write the table into.")
 
 
 def run_seed(seed, workdir):
@@ -125,4 +130,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -88,6 +88,7 @@ training.train(
     checkpoint_every=flags.checkpoint_every,
     callbacks=[slow_down],
     verbose=0,
+    resume_hint=f"the same command (continues from {flags.workdir})",
 )
 if training.is_chief(strategy):
     np.savez(os.path.join(flags.workdir, "final.npz"), *model.get_weights())

@@ -84,15 +84,16 @@ API_CASES = [
     ({"noise_scale_every": -1}, ["noise_scale_every=-1"]),
     ({"verbose": 3}, ["verbose=3"]),
     ({"data_dir": 3}, ["data_dir=3"]),
+    ({"data_dir": __file__}, ["data_dir=", "must be a folder"]),
     ({"stpes": 4}, ["'stpes'", "steps"]),
     # 12 x (1 - 0.9) >= 1: the linear rule has no beta_1 there.
     ({"steps": 12, "scaling_rule": "invariant"}, ["beta_1", "kappa=12", "'power'"]),
     ({"dataset": "mnsit1d"}, ["dataset='mnsit1d'", "mnist1d"]),
     ({"dataset": ""}, ["dataset=''"]),
     ({"dataset": "mnist"}, ["'mnist' is not prepared", "tfds build"]),  # data
-    ({"model": "transformer"}, ["transformer", "dataset='mnist1d'"]),  # data
-    ({"model": "resnet"}, ["resnet", "(40,)"]),  # data
-    ({"micro_batch_size": 5000}, ["window", "4000"]),  # data
+    ({"model": "transformer", "model_kwargs": {}}, ["transformer", "dataset='mnist1d'"]),
+    ({"model": "resnet", "model_kwargs": {}}, ["resnet", "(40,)"]),  # data
+    ({"micro_batch_size": 5000}, ["window", "3600 examples"]),  # data
     ({"validation_split": 1e-5}, ["validation_split=1e-05"]),  # data
 ]
 

@@ -51,10 +51,14 @@ def test_every_saved_config_runs_in_smoke_size(path, data_dir, tmp_path):
     assert resolved == experiment.resolve_config(config)
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     assert len(rows) == 1
-    # 4000 examples, windows of micro_batch_size x steps: whole windows only.
+    # 4000 examples less those held out for validation, windows of
+    # micro_batch_size x steps: whole windows only.
     steps = resolved["steps"]
     micro = resolved["micro_batch_size"]
-    assert int(rows[0]["updates"]) == 4000 // (micro * steps) == final["updates"]
+    train_examples = 4000 - round(4000 * resolved["validation_split"])
+    assert int(rows[0]["updates"]) == train_examples // (micro * steps) == final["updates"]
+    split = "val_" if resolved["validation_split"] else "test_"
+    assert split + "accuracy" in rows[0] and "accuracy" in rows[0]
     assert 0.0 <= final["test_accuracy"] <= 1.0
     assert np.isfinite(final["test_loss"])
 
@@ -197,6 +201,8 @@ def test_script_runs_two_local_workers(data_dir, tmp_path):
             "saved_configs/mnist1d_cnn_invariant.py",
             "--strategy",
             "multi_worker",
+            "--validation_split",
+            "0",  # Watch the test split: its columns must say so.
             "--epochs",
             "1",
             "--data_dir",
@@ -215,6 +221,7 @@ def test_script_runs_two_local_workers(data_dir, tmp_path):
     assert final["updates"] == 4000 // (25 * 4 * 2)
     rows = list(csv.DictReader(open(tmp_path / "run/metrics.csv")))
     assert len(rows) == 1 and float(rows[0]["loss"]) > 0
+    assert "test_accuracy" in rows[0] and "val_accuracy" not in rows[0]  # Labelled honestly.
 
 
 def test_seeds_report_is_mean_and_sample_std_of_the_runs():

@@ -88,6 +88,9 @@ def test_killed_worker_stops_the_survivor(tmp_path):
         assert time.monotonic() - killed_at < 60
         assert survivor.returncode != 0
         assert "WorkerLostError" in cluster.log(0), cluster.log(0)[-3000:]
+        # The project's own error, with how to resume; no raw TF error.
+        assert "To resume: the same command" in cluster.log(0)
+        assert not cluster.log(0).rstrip().splitlines()[-1].startswith("tensorflow.python")
         with pytest.raises(
             multiworker.WorkerFailedError, match=r"Worker 1 failed with exit code -9"
         ):

@@ -482,7 +482,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     killed = job(tmp_path / "killed", "--sleep", "0.5")
     checkpoints = tmp_path / "killed" / "checkpoints"
     deadline = time.monotonic() + 120
-    while not (checkpoints / "ckpt-6.index").exists():
+    while not (checkpoints / "ckpt-6.index").exists():  # window 6 of epoch 1
         assert killed.poll() is None, killed.stdout.read()
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -506,6 +506,154 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     windows = [line["batches"] for line in lines if "epoch_end" not in line]
     assert windows == list(range(1, 19))
     assert [line["epoch"] for line in lines if "epoch_end" in line] == [1, 2, 3]
+
+
+def trained_trainer(strategy, optimizer="invariant", windows=2):
+    x, y = data(items=16)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    model, opt = build(strategy, optimizer, steps=2)
+    trainer = training.Trainer(model, opt, "mse", strategy=strategy)
+    iterator = iter(trainer.distribute(dataset, epochs=2))
+    for _ in range(windows):
+        trainer.train_step(iterator)
+    trainer.test_iterator = iterator
+    return trainer
+
+
+def test_truncated_newest_checkpoint_falls_back_and_is_named(tmp_path):
+    # Two checkpoints; the newest one's data file cut in half (a disk or a
+    # writer without rename). Restore uses the older one and names the
+    # broken one; with both broken, the error names them.
+    strategy = tf.distribute.get_strategy()
+    trainer = trained_trainer(strategy, windows=1)
+    older = trainer.save(str(tmp_path))
+    trainer.train_step(trainer.test_iterator)
+    newer = trainer.save(str(tmp_path))
+    assert older.endswith("ckpt-1") and newer.endswith("ckpt-2")
+    (data_file,) = tmp_path.glob("ckpt-2.data-*")
+    data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])
+    fresh = trained_trainer(strategy, windows=0)
+    with pytest.warns(UserWarning, match="ckpt-2 is not a complete checkpoint"):
+        assert fresh.restore(str(tmp_path)) == older
+    assert int(fresh.batches.numpy()) == 1
+    for w, v in zip(fresh.model.get_weights(), trainer.model.get_weights()):
+        assert not np.array_equal(w, v)  # the older state, not the newer
+    (tmp_path / "ckpt-1.index").write_bytes(b"not a checkpoint")
+    with pytest.raises(training.CheckpointError, match="ckpt-2.*ckpt-1"):
+        fresh.restore(str(tmp_path))
+
+
+def test_mirrored_checkpoint_resumes_bit_exact(tmp_path):
+    # InvariantAdam's moments are replica-local: a checkpoint holds their
+    # sum and a plain restore splits it evenly. The parts saved beside it
+    # restore each replica's own values, so the resumed run is bit-exact.
+    strategy = mirrored()
+    first = trained_trainer(strategy, windows=1)
+    first.save(str(tmp_path))
+    x, y = data(items=16)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    resumed = trained_trainer(strategy, windows=0)
+    assert resumed.restore(str(tmp_path))
+    for a, b in zip(first.optimizer._momentums, resumed.optimizer._momentums):
+        for p, q in zip(a.value.values, b.value.values):
+            np.testing.assert_array_equal(p.numpy(), q.numpy())
+    for trainer in (first, resumed):
+        trainer.train_step(iter(trainer.distribute(dataset, epochs=2)))
+    for a, b in zip(first.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_foreign_and_truncated_keras_files_are_named(tmp_path):
+    from keras_accum.training import checkpoints
+
+    model, _ = build(tf.distribute.get_strategy(), "ga_sgd", 2)
+    model.compile(optimizer=keras.optimizers.SGD(), loss="mse")
+    checkpoints.save_keras(model, str(tmp_path / "epoch_001.keras"), {"epoch": 1})
+    loaded, state = checkpoints.load_keras(str(tmp_path / "epoch_001.keras"))
+    assert state == {"epoch": 1}
+    assert_close(loaded.get_weights(), model.get_weights(), rtol=0, atol=0)
+    (tmp_path / "epoch_002.keras").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.warns(UserWarning, match="epoch_002.keras is not a complete"):
+        assert checkpoints.newest_keras(str(tmp_path)).endswith("epoch_001.keras")
+    (tmp_path / "epoch_001.keras").write_text("hello")
+    with pytest.raises(training.CheckpointError, match="epoch_002.keras.*epoch_001.keras"):
+        checkpoints.newest_keras(str(tmp_path))
+
+
+def test_kill_inside_a_write_keeps_the_previous_file(tmp_path):
+    # The hook truncates the second write's temporary file and SIGKILLs the
+    # process before the rename: the file keeps the first version, and the
+    # leftover is removed by the next writer.
+    script = (
+        "import sys\n"
+        "from keras_accum.training import checkpoints\n"
+        "checkpoints.atomic_write_text(sys.argv[1], 'first')\n"
+        "checkpoints.atomic_write_text(sys.argv[1], 'second' * 1000)\n"
+    )
+    target = tmp_path / "state.txt"
+    env = dict(os.environ, PYTHONPATH=ROOT, KERAS_ACCUM_CHECKPOINT_HOOK="kill:2")
+    result = subprocess.run([sys.executable, "-c", script, str(target)], env=env, timeout=120)
+    assert result.returncode == -9
+    assert target.read_text() == "first"
+    from keras_accum.training import checkpoints
+
+    assert len(list(tmp_path.glob(".state.txt.tmp-*"))) == 1
+    checkpoints.remove_partial(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.txt"]
+
+
+def test_logs_rewind_to_the_checkpoint(tmp_path):
+    from keras_accum.training import logs
+
+    csv_path = tmp_path / "metrics.csv"
+    csv_path.write_text("epoch,loss\n0,1.5\n1,1.25\n2,1.0\n3,0.")
+    logs.rewind_csv(str(csv_path), lambda row: int(row["epoch"]) < 2)
+    assert csv_path.read_text().splitlines() == ["epoch,loss", "0,1.5", "1,1.25"]
+    jsonl = tmp_path / "log.jsonl"
+    jsonl.write_text('{"batches": 1}\n{"batches": 2}\n{"batches": 3}\n{"batc')
+    assert logs.rewind_jsonl(str(jsonl), lambda r: r["batches"] <= 2) == [
+        {"batches": 1},
+        {"batches": 2},
+    ]
+    for run in range(2):  # two processes, two event files, steps 0-2 each
+        with tf.summary.create_file_writer(str(tmp_path / "tb")).as_default():
+            for step in range(3):
+                tf.summary.scalar("loss", 10.0 * run + step, step=step)
+        time.sleep(1.1)  # event file names hold the time in seconds
+    logs.rewind_events(str(tmp_path / "tb"), lambda tag, step, seen: seen < 4)
+    (path,) = (tmp_path / "tb").iterdir()
+    values = [
+        (e.step, float(tf.make_ndarray(v.tensor)))
+        for e in logs._events(str(path))
+        for v in e.summary.value
+    ]
+    assert values == [(0, 0.0), (1, 1.0), (2, 2.0), (0, 10.0)]
+
+
+@pytest.mark.parametrize("source", ["arrays", "reshuffled dataset"])
+def test_noise_scale_callback_state_round_trip(source):
+    # A fresh callback given the state after one probe makes the same
+    # second probe as the callback that ran on.
+    from keras_accum import diagnostics
+
+    x, y = data(items=16)
+
+    def probe_data():
+        if source == "arrays":
+            return (x, y)
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(16, seed=1).batch(8)
+
+    callbacks = [diagnostics.NoiseScaleCallback(probe_data(), 4, 2, 1, seed=3) for _ in range(2)]
+    for callback in callbacks:
+        callback.set_model(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+        callback.model.compile(loss="mse")
+        callback.model.set_weights(initial())
+    callbacks[0].on_train_batch_end(0)
+    callbacks[1].set_state(json.loads(json.dumps(callbacks[0].get_state())))
+    for callback in callbacks:
+        callback.on_train_batch_end(1)
+    assert callbacks[0].get_state() == callbacks[1].get_state()
+    assert callbacks[1].get_state()["updates"] == 2
 
 
 # -- bad input ----------------------------------------------------------------

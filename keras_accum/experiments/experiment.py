@@ -1,16 +1,21 @@
 """Config-driven training runs: `train_and_evaluate(config, workdir)`.
 
 A config is a plain dict (saved_configs/*.py return one from `get_config()`);
-keys missing from it take the values in `DEFAULTS`, unknown keys are an
-error. A run folder holds everything needed to read or repeat the run:
+keys missing from it take the values in `DEFAULTS`; every key and value is
+checked by the run's schema (run_config.py) before anything is written, and
+a bad one is a one-line `ConfigError`. A run folder holds everything needed
+to read or repeat the run:
 
     config.json      the resolved config (re-run: --config <folder>/config.json)
-    metrics.csv      one row per epoch: loss, accuracy, val_*, learning rate,
-                     updates, skipped micro-batches, noise scale
+    metrics.csv      one row per epoch: loss, accuracy, val_* (the held-out
+                     start of train, with validation_split > 0) or test_*
+                     (the test split, without), learning rate, updates,
+                     skipped micro-batches, noise scale
     tensorboard/     TensorBoard events
-    checkpoints/     epoch_NNN.keras: model + optimizer state, for --resume
-    final.json       test loss and accuracy of the final model
-    curves.png       training and test curves
+    checkpoints/     epoch_NNN.keras: model + optimizer state, for --resume;
+                     config.json: the config they were made with
+    final.json       test (and validation) loss and accuracy of the final model
+    curves.png       training, validation and test curves
 
 Batches: the training stream is `micro_batch_size * replicas` items per
 call, `steps` calls per update, so kappa = steps * replicas micro-batches
@@ -40,6 +45,7 @@ from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config
     resolve_config,
     validation_examples,
 )
+from keras_accum.training import checkpoints, fit
 
 
 def make_strategy(name):
@@ -135,8 +141,10 @@ class AccumulationLogger(keras.callbacks.Callback):
 
 
 def latest_checkpoint(workdir):
-    found = sorted(pathlib.Path(workdir, "checkpoints").glob("epoch_*.keras"))
-    return (found[-1], int(found[-1].stem.split("_")[1])) if found else (None, 0)
+    """(path, epochs done) of the newest intact epoch checkpoint of the run
+    folder, or (None, 0); see `keras_accum.training.fit.find_resume`."""
+    point = fit.find_resume(pathlib.Path(workdir, "checkpoints"))
+    return (pathlib.Path(point.path), point.epoch) if point else (None, 0)
 
 
 def train_and_evaluate(config, workdir, resume=False):
@@ -158,10 +166,13 @@ def train_and_evaluate(config, workdir, resume=False):
     window_examples = global_micro_batch * config["steps"]
     steps_per_epoch = windows_per_epoch * config["steps"]
 
-    checkpoint, initial_epoch = latest_checkpoint(workdir)
+    point = fit.find_resume(workdir / "checkpoints") if resume else None
+    initial_epoch = point.epoch if point else 0
     with strategy.scope():
-        if resume and checkpoint is not None:
-            model = keras.models.load_model(checkpoint)
+        if point is not None:
+            if training.is_chief(strategy):
+                print(f"Resuming from {point.path} ({point.epoch} epochs done)", flush=True)
+            model = fit.load_resume(point)
         else:
             model = _build_model(config, info, kappa, config["epochs"] * windows_per_epoch)
     if config["strategy"] == "multi_worker":
@@ -176,9 +187,10 @@ def train_and_evaluate(config, workdir, resume=False):
         SplitLabels("validation" if held_out else "test"),
         *_noise_scale_callbacks(config, kappa, held_out),
         CSVLogger(str(workdir / "metrics.csv"), append=True),
-        keras.callbacks.TensorBoard(str(workdir / "tensorboard")),
-        keras.callbacks.ModelCheckpoint(str(workdir / "checkpoints" / "epoch_{epoch:03d}.keras")),
+        fit.FlushingTensorBoard(str(workdir / "tensorboard")),
     ]
+    callbacks += _resumable(callbacks, workdir, point, resume)
+    (workdir / "checkpoints").mkdir(exist_ok=True)
     verbose = config["verbose"]
     if verbose == 1 and not sys.stdout.isatty():
         verbose = 2  # one line per epoch in logs instead of redrawn bars
@@ -207,6 +219,23 @@ def train_and_evaluate(config, workdir, resume=False):
     (workdir / "final.json").write_text(json.dumps(final, indent=2))
     plot_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
+
+
+def _resumable(callbacks, workdir, point, resume):
+    """Checkpointing for the fit path: on resume, the stateful callbacks get
+    their saved state and the logs rewind to the checkpoint; returns the
+    checkpoint callback to run after the loggers."""
+    stateful = [c for c in callbacks if hasattr(c, "get_state")]
+    if resume:
+        if point is not None:
+            fit.restore_state(point, stateful)
+        tensorboard = [workdir / "tensorboard" / name for name in ("train", "validation")]
+        fit.rewind_logs(workdir / "metrics.csv", tensorboard, point.epoch if point else 0)
+    return [
+        fit.EpochCheckpoint(
+            workdir / "checkpoints", stateful=stateful, sync=[workdir / "metrics.csv"]
+        )
+    ]
 
 
 def _checked_run(config, workdir, resume):
@@ -307,21 +336,11 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
     )
     test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
     start = time.time()
-    history = training.train(
-        model,
-        model.optimizer,
-        model.loss,
-        train,
-        epochs=config["epochs"],
-        strategy=strategy,
-        workdir=str(workdir / "loop"),
-        metrics=["accuracy"],
-        eval_dataset=test,
-        verbose=1 if config["verbose"] else 0,
-    )
-    evaluation = training.Trainer(
-        model, model.optimizer, model.loss, strategy=strategy, metrics=["accuracy"]
-    ).evaluate(test)
+    resume_hint = f"python scripts/train.py --workdir {workdir} --resume"
+    with training.distribute.peer_errors(resume_hint):
+        history, evaluation = _loop_and_evaluate(
+            config, workdir, strategy, model, train, test, held_out
+        )
     final = {
         "test_loss": float(evaluation["loss"]),
         "test_accuracy": float(evaluation["accuracy"]),
@@ -331,28 +350,48 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
         "train_seconds_this_session": round(time.time() - start, 1),
     }
     if training.is_chief(strategy):
-        _append_metrics(workdir / "metrics.csv", history)
+        _write_metrics(workdir / "metrics.csv", history)
         (workdir / "final.json").write_text(json.dumps(final, indent=2))
         plot_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
 
 
-def _append_metrics(metrics_csv, history):
-    """Per-epoch means from `training.train` as CSV rows (epoch from 0)."""
+def _loop_and_evaluate(config, workdir, strategy, model, train, test, held_out):
+    """`training.train` on the seeded stream, then the test evaluation."""
+    history = training.train(
+        model,
+        model.optimizer,
+        model.loss,
+        train,
+        epochs=config["epochs"],
+        strategy=strategy,
+        workdir=str(workdir / "loop"),
+        metrics=["accuracy"],
+        eval_dataset=_validation_split(config, held_out) if held_out else test,
+        resume_hint=f"python scripts/train.py --workdir {workdir} --resume",
+        verbose=1 if config["verbose"] else 0,
+    )
+    if not held_out:  # The loop says val_*; it was the test split.
+        history = {("test_" + k[4:] if k.startswith("val_") else k): v for k, v in history.items()}
+    evaluation = training.Trainer(
+        model, model.optimizer, model.loss, strategy=strategy, metrics=["accuracy"]
+    ).evaluate(test)
+    return history, evaluation
+
+
+def _write_metrics(metrics_csv, history):
+    """Per-epoch means from `training.train` (all epochs, also across a
+    resume) as CSV rows, epoch from 0; written atomically."""
     import csv
+    import io
 
     keys = sorted(history)
-    epochs = len(history.get("loss", []))
-    done = 0
-    if metrics_csv.exists():
-        with open(metrics_csv) as f:
-            done = max(0, sum(1 for _ in f) - 1)
-    with open(metrics_csv, "a", newline="") as f:
-        writer = csv.writer(f)
-        if not done:
-            writer.writerow(["epoch"] + keys)
-        for e in range(epochs):
-            writer.writerow([done + e] + [history[k][e] for k in keys])
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["epoch"] + keys)
+    for e in range(len(history.get("loss", []))):
+        writer.writerow([e] + [history[k][e] for k in keys])
+    checkpoints.atomic_write_text(str(metrics_csv), text.getvalue())
 
 
 def plot_curves(metrics_csv, png):

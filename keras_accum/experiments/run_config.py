@@ -11,6 +11,7 @@ writes anything.
 
 import inspect
 import os
+import pathlib
 
 import keras_accum as ka
 from keras_accum.experiments import config as cfg
@@ -168,13 +169,23 @@ def _check_steps_schedule(config):
         )
 
 
+def _check_data_dir(config):
+    folder = config["data_dir"]
+    if folder is not None and pathlib.Path(folder).exists() and not pathlib.Path(folder).is_dir():
+        raise cfg.ConfigError(
+            f"`data_dir` must be a folder (it is created if missing). Received: data_dir={folder!r}"
+        )
+
+
 def _check_tf_config(config):
     if config["strategy"] == "multi_worker":
         cfg.check_tf_config(os.environ.get("TF_CONFIG"))
 
 
 SCHEMA = cfg.Schema(
-    "run", FIELDS, [_check_model_kwargs, check_scaling, _check_steps_schedule, _check_tf_config]
+    "run",
+    FIELDS,
+    [_check_model_kwargs, check_scaling, _check_steps_schedule, _check_data_dir, _check_tf_config],
 )
 DEFAULTS = SCHEMA.defaults()
 

@@ -2,15 +2,19 @@
 
 * `step.Trainer`: one compiled window (or micro-batch) step, evaluation and
   checkpoints for one model: the *trainer*.
-* `controller.train`: epochs, checkpoints, logs, evaluation and resume
-  around a `Trainer`: the *controller*.
+* `controller.Controller` / `controller.train`: epochs, checkpoints, logs,
+  evaluation and resume around a `Trainer`: the *controller*.
+* `stream`: the resumable data stream; `losses`: per-item losses, metrics.
+* `checkpoints`: atomic, verified checkpoint files; `logs`: logs that
+  rewind with them; `fit`: the same for `model.fit` runs.
 * `distribute`: the strategy of this process, the chief, data sharding,
   `WorkerLostError`.
 * `multiworker`: launch N local workers on 127.0.0.1
   (`python -m keras_accum.training.multiworker`).
 """
 
-from keras_accum.training.controller import train
+from keras_accum.training.checkpoints import CheckpointError
+from keras_accum.training.controller import Controller, train
 from keras_accum.training.distribute import (
     WorkerLostError,
     is_chief,
@@ -19,6 +23,8 @@ from keras_accum.training.distribute import (
 from keras_accum.training.step import LAST_BATCH_POLICIES, Trainer, peek_batch_size
 
 __all__ = [
+    "CheckpointError",
+    "Controller",
     "LAST_BATCH_POLICIES",
     "Trainer",
     "WorkerLostError",

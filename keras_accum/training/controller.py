@@ -1,5 +1,13 @@
 """The controller: the outer loop around `Trainer` (epochs, checkpoints,
-logs, evaluation, resume)."""
+logs, evaluation, resume), orbit style: `Controller` is a small class and
+`train()` a thin function over it.
+
+Resume is exact for the bookkeeping too: the checkpoint holds the running
+sums of the current epoch's logs, and on restart log.jsonl and the
+TensorBoard events rewind to the checkpoint (`keras_accum.training.logs`),
+so a killed and resumed run logs exactly the records, with the same numbers,
+as an uninterrupted one (the `time` and `examples_per_second` fields aside).
+"""
 
 import json
 import os
@@ -11,9 +19,14 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum.gradient_accumulation import GradientAccumulation
+from keras_accum.training import checkpoints
+from keras_accum.training import logs as run_logs
 from keras_accum.training.distribute import is_chief, peer_errors
 from keras_accum.training.step import Trainer, peek_batch_size, window_steps
 from keras_accum.validation import check_int
+
+# Fields of a window's logs that are not TensorBoard scalars.
+NOT_SCALARS = ("time", "epoch", "batches", "batch_in_epoch")
 
 
 def _check_split(global_batch, replicas, opt_steps, steps, micro_batch_size):
@@ -64,26 +77,28 @@ def _check_split(global_batch, replicas, opt_steps, steps, micro_batch_size):
 
 
 class _Log:
-    """JSONL lines and TensorBoard scalars in the workdir (chief only)."""
+    """log.jsonl and TensorBoard scalars in the workdir (chief only),
+    rewound on resume to the checkpoint at (`batches`, `epoch`)."""
 
-    def __init__(self, workdir, chief, resume_batches, resume_epoch):
-        self.path = workdir and os.path.join(workdir, "log.jsonl")
-        self.writer = tf.summary.create_noop_writer()
+    def __init__(self, workdir, chief, batches, epoch):
+        self.path, self.writer, self.kept = None, tf.summary.create_noop_writer(), []
         if not (workdir and chief):
-            self.path = None
             return
-        self.writer = tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
-        if os.path.exists(self.path):
-            # A restart: drop what was logged after the restored checkpoint.
-            with open(self.path) as f:
-                lines = [json.loads(line) for line in f if line.strip()]
-            kept = [
-                line
-                for line in lines
-                if line.get("batches", 0) <= resume_batches and line.get("epoch", 0) <= resume_epoch
-            ]
-            with open(self.path, "w") as f:
-                f.writelines(json.dumps(line) + "\n" for line in kept)
+        self.path = os.path.join(workdir, "log.jsonl")
+        self.kept = run_logs.rewind_jsonl(
+            self.path, lambda r: r.get("batches", 0) <= batches and r.get("epoch", 0) <= epoch
+        )
+        # The epoch-end scalars at step `batches` belong to the checkpoint
+        # only when its epoch-end record does.
+        ended = any(r.get("epoch_end") and r.get("batches") == batches for r in self.kept)
+
+        def keep(tag, step, _):
+            return step < batches or (step == batches and (ended or not tag.startswith("epoch/")))
+
+        tensorboard = os.path.join(workdir, "tensorboard")
+        if os.path.isdir(tensorboard):
+            run_logs.rewind_events(tensorboard, keep)
+        self.writer = tf.summary.create_file_writer(tensorboard)
 
     def write(self, record, step, prefix=""):
         if self.path is None:
@@ -92,14 +107,158 @@ class _Log:
             f.write(json.dumps(record) + "\n")
         with self.writer.as_default(step=step):
             for name, value in record.items():
-                if isinstance(value, float) and name not in (
-                    "time",
-                    "epoch",
-                    "batches",
-                    "batch_in_epoch",
-                ):
+                if isinstance(value, float) and name not in NOT_SCALARS:
                     tf.summary.scalar(prefix + name, value)
         self.writer.flush()
+
+
+class Controller:
+    """Epochs, checkpoints, logs, evaluation and resume around a `Trainer`.
+
+    `resume()` restores the newest intact checkpoint of `workdir`, `run(
+    dataset, epochs)` trains to the end and returns the history. Arguments
+    as in `train`.
+    """
+
+    def __init__(
+        self,
+        trainer,
+        *,
+        workdir=None,
+        checkpoint_every=100,
+        eval_dataset=None,
+        callbacks=(),
+        verbose=1,
+    ):
+        self.trainer, self.workdir = trainer, workdir
+        self.checkpoint_every, self.eval_dataset = checkpoint_every, eval_dataset
+        self.callbacks, self.chief = list(callbacks), is_chief(trainer.strategy)
+        self.verbose = verbose and self.chief
+        self.directory = workdir and os.path.join(workdir, "checkpoints")
+        self.shown = ["loss"] + [name for name, _ in trainer._metrics]
+        with trainer.strategy.scope():
+            # Running sums of the current epoch: [windows, loss, metrics...].
+            self.epoch_sums = tf.Variable(
+                tf.zeros([1 + len(self.shown)], tf.float64),
+                trainable=False,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                name="epoch_sums",
+            )
+        trainer.track("epoch_sums", self.epoch_sums)
+        self.history, self.bar, self.warned, self.log = {}, None, False, None
+        self.saved = 0
+
+    def resume(self):
+        """Restores the newest intact checkpoint (if any), says which, and
+        rewinds the logs to it. Returns its path or None."""
+        trainer = self.trainer
+        path = self.directory and trainer.restore(self.directory)
+        if path and self.verbose:
+            print(f"Resuming from {path} ({int(trainer.batches.numpy())} batches done)")
+        optimizer, steps = trainer.optimizer, trainer.steps
+        if steps > 1 and int(optimizer.micro_step.numpy()) % steps:
+            raise ValueError(
+                "`optimizer` is in the middle of a window (micro_step="
+                f"{int(optimizer.micro_step.numpy())}, steps={steps}); finish "
+                "it with `Trainer.micro_step` before training whole windows."
+            )
+        self.saved = int(trainer.batches.numpy())
+        self.log = _Log(self.workdir, self.chief, self.saved, int(trainer.epoch.numpy()))
+        for record in self.log.kept:
+            if record.get("epoch_end"):
+                self._remember(record)
+        return path
+
+    def run(self, dataset, epochs, global_batch):
+        """Trains to the end of epoch `epochs`; returns the history."""
+        self.global_batch, self.target = global_batch, int(dataset.cardinality())
+        trainer = self.trainer
+        iterator = iter(trainer.distribute(dataset, epochs=epochs, global_batch_size=global_batch))
+        while True:
+            start = time.perf_counter()
+            try:
+                logs = trainer.train_step(iterator)
+            except tf.errors.OutOfRangeError:
+                break
+            logs = {k: float(v) for k, v in logs.items()}
+            logs["examples_per_second"] = logs["items"] / (time.perf_counter() - start)
+            if logs["items"] == 0:  # the end-of-epoch marker
+                self._end_of_epoch(logs)
+            else:
+                self._after_window(logs)
+        return self.history
+
+    def _save(self):
+        if self.directory:
+            self.saved = int(self.trainer.batches.numpy())
+            self.trainer.save(self.directory)
+
+    def _remember(self, record):
+        for k, v in record.items():
+            if k in self.shown or k.startswith("val_"):
+                self.history.setdefault(k, []).append(v)
+
+    def _end_of_epoch(self, logs):
+        sums = self.epoch_sums.numpy()
+        record = {k: float(sums[1 + i] / sums[0]) for i, k in enumerate(self.shown) if sums[0]}
+        if self.eval_dataset is not None:
+            evaluation = self.trainer.evaluate(self.eval_dataset)
+            record.update({f"val_{k}": v for k, v in evaluation.items()})
+        self._remember(record)
+        self.log.write(
+            {"epoch": logs["epoch"], "batches": logs["batches"], "epoch_end": True, **record},
+            step=int(logs["batches"]),
+            prefix="epoch/",
+        )
+        self.epoch_sums.assign(tf.zeros_like(self.epoch_sums))
+        self._save()
+        if self.bar is not None and self.bar._seen_so_far != self.bar.target:
+            self.bar.update(self.bar._seen_so_far, finalize=True)
+        self.bar = None
+
+    def _after_window(self, logs):
+        self._warn_short_batch(logs)
+        values = [1.0] + [logs[k] for k in self.shown]
+        self.epoch_sums.assign(self.epoch_sums.numpy() + np.array(values))
+        batch = int(logs["batches"])
+        self.log.write(dict(logs, time=time.time()), step=batch)
+        for callback in self.callbacks:
+            callback(logs)
+        if self.bar is None and self.verbose:
+            target = self.target if self.target > 0 else None
+            self.bar = keras.utils.Progbar(target, stateful_metrics=["examples/s"])
+        if self.bar is not None:
+            shown = [(k, logs[k]) for k in self.shown]
+            self.bar.update(
+                int(logs["batch_in_epoch"]), shown + [("examples/s", logs["examples_per_second"])]
+            )
+        if batch - self.saved >= self.checkpoint_every:
+            self._save()
+
+    def _warn_short_batch(self, logs):
+        optimizer = self.trainer.optimizer
+        if (
+            logs["items"] < self.global_batch
+            and self.trainer.steps > 1
+            and not self.warned
+            and not isinstance(optimizer, GradientAccumulation)
+        ):
+            warnings.warn(
+                f"A short batch ({int(logs['items'])} < {self.global_batch} "
+                f"items) was trained with {type(optimizer).__name__}, which "
+                "takes no item weights: its unequal micro-batches counted "
+                "equally. Use last_batch='drop' to skip short batches.",
+                stacklevel=4,
+            )
+            self.warned = True
+
+    def write_config(self, **fields):
+        """config.json in the workdir (chief), written atomically."""
+        if not (self.workdir and self.chief):
+            return
+        os.makedirs(self.workdir, exist_ok=True)
+        text = json.dumps(fields, indent=1, default=repr)
+        checkpoints.atomic_write_text(os.path.join(self.workdir, "config.json"), text)
 
 
 def train(
@@ -119,6 +278,7 @@ def train(
     eval_dataset=None,
     callbacks=(),
     verbose=1,
+    resume_hint=None,
 ):
     """Trains `model` for `epochs` passes over `dataset`; one update per batch.
 
@@ -159,10 +319,13 @@ def train(
         callbacks: callables `fn(logs)` run on every worker after each
             window, `logs` a dict of floats (loss, batches, epoch, ...).
         verbose: 1 for a progress bar on the chief, 0 for none.
+        resume_hint: how to resume (e.g. the command), added to the
+            `WorkerLostError` a lost peer raises.
 
     Returns:
-        A dict name -> list of per-epoch means (over the windows this process
-        trained in that epoch), with the evaluation results.
+        A dict name -> list of per-epoch means (over all the windows of that
+        epoch, also across a resume), with the evaluation results; on the
+        chief of a resumed run it includes the epochs before the resume.
     """
     strategy = strategy or tf.distribute.get_strategy()
     check_int("epochs", epochs)
@@ -183,114 +346,32 @@ def train(
     trainer = Trainer(
         model, optimizer, loss_fn, strategy=strategy, metrics=metrics, last_batch=last_batch
     )
-    chief = is_chief(strategy)
-    checkpoints = workdir and os.path.join(workdir, "checkpoints")
-    if checkpoints and trainer.restore(checkpoints) and verbose and chief:
-        print(f"Resuming from {tf.train.latest_checkpoint(checkpoints)}")
-    if opt_steps > 1 and int(optimizer.micro_step.numpy()) % opt_steps:
-        raise ValueError(
-            "`optimizer` is in the middle of a window (micro_step="
-            f"{int(optimizer.micro_step.numpy())}, steps={opt_steps}); finish "
-            "it with `Trainer.micro_step` before training whole windows."
+    controller = Controller(
+        trainer,
+        workdir=workdir,
+        checkpoint_every=checkpoint_every,
+        eval_dataset=eval_dataset,
+        callbacks=callbacks,
+        verbose=verbose,
+    )
+    # Steps, saves, restores and evaluations all communicate: a dead peer
+    # can surface in any of them.
+    with peer_errors(resume_hint):
+        controller.resume()
+        controller.write_config(
+            epochs=epochs,
+            steps=opt_steps,
+            micro_batch_size=micro,
+            global_batch_size=global_batch,
+            last_batch=last_batch,
+            replicas=strategy.num_replicas_in_sync,
+            strategy=type(strategy).__name__,
+            checkpoint_every=checkpoint_every,
+            optimizer=keras.optimizers.serialize(optimizer),
+            loss=getattr(loss_fn, "__name__", repr(loss_fn)),
+            metrics=controller.shown[1:],
+            model=model.name,
+            parameters=int(model.count_params()),
+            resumed_at_batch=int(trainer.batches.numpy()),
         )
-    done = int(trainer.batches.numpy())
-    if workdir and chief:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(
-                dict(
-                    epochs=epochs,
-                    steps=opt_steps,
-                    micro_batch_size=micro,
-                    global_batch_size=global_batch,
-                    last_batch=last_batch,
-                    replicas=strategy.num_replicas_in_sync,
-                    strategy=type(strategy).__name__,
-                    checkpoint_every=checkpoint_every,
-                    optimizer=keras.optimizers.serialize(optimizer),
-                    loss=getattr(loss_fn, "__name__", repr(loss_fn)),
-                    metrics=[name for name, _ in trainer._metrics],
-                    model=model.name,
-                    parameters=int(model.count_params()),
-                    resumed_at_batch=done,
-                ),
-                f,
-                indent=1,
-                default=repr,
-            )
-    log = _Log(workdir, chief, done, int(trainer.epoch.numpy()))
-    iterator = iter(trainer.distribute(dataset, epochs=epochs, global_batch_size=global_batch))
-    target = int(dataset.cardinality())
-    shown = ["loss"] + [name for name, _ in trainer._metrics]
-    state = dict(history={}, epoch_logs=[], bar=None, warned=False, saved=done)
-
-    def save(batch):
-        if checkpoints:
-            state["saved"] = batch
-            trainer.save(checkpoints)
-
-    def end_of_epoch(logs):
-        epoch_logs, bar = state["epoch_logs"], state["bar"]
-        record = {k: float(np.mean([r[k] for r in epoch_logs])) for k in shown if epoch_logs}
-        if eval_dataset is not None:
-            record.update({f"val_{k}": v for k, v in trainer.evaluate(eval_dataset).items()})
-        for k, v in record.items():
-            state["history"].setdefault(k, []).append(v)
-        log.write(
-            {"epoch": logs["epoch"], "batches": logs["batches"], "epoch_end": True, **record},
-            step=int(logs["batches"]),
-            prefix="epoch/",
-        )
-        save(int(logs["batches"]))
-        if bar is not None and bar._seen_so_far != bar.target:
-            bar.update(bar._seen_so_far, finalize=True)
-        state.update(bar=None, epoch_logs=[])
-
-    def after_window(logs):
-        batch = int(logs["batches"])
-        if (
-            logs["items"] < global_batch
-            and opt_steps > 1
-            and not state["warned"]
-            and not isinstance(optimizer, GradientAccumulation)
-        ):
-            warnings.warn(
-                f"A short batch ({int(logs['items'])} < {global_batch} "
-                f"items) was trained with {type(optimizer).__name__}, which "
-                "takes no item weights: its unequal micro-batches counted "
-                "equally. Use last_batch='drop' to skip short batches.",
-                stacklevel=2,
-            )
-            state["warned"] = True
-        state["epoch_logs"].append(logs)
-        log.write(dict(logs, time=time.time()), step=batch)
-        for callback in callbacks:
-            callback(logs)
-        if state["bar"] is None and verbose and chief:
-            state["bar"] = keras.utils.Progbar(
-                target if target > 0 else None, stateful_metrics=["examples/s"]
-            )
-        if state["bar"] is not None:
-            state["bar"].update(
-                int(logs["batch_in_epoch"]),
-                [(k, logs[k]) for k in shown] + [("examples/s", logs["examples_per_second"])],
-            )
-        if batch - state["saved"] >= checkpoint_every:
-            save(batch)
-
-    # Steps, saves and evaluations all communicate: a dead peer can surface
-    # in any of them.
-    with peer_errors():
-        while True:
-            start = time.perf_counter()
-            try:
-                logs = trainer.train_step(iterator)
-            except tf.errors.OutOfRangeError:
-                break
-            logs = {k: float(v) for k, v in logs.items()}
-            logs["examples_per_second"] = logs["items"] / (time.perf_counter() - start)
-            if logs["items"] == 0:  # the end-of-epoch marker
-                end_of_epoch(logs)
-            else:
-                after_window(logs)
-    return state["history"]
+        return controller.run(dataset, epochs, global_batch)

@@ -15,13 +15,17 @@ class WorkerLostError(RuntimeError):
 
 
 @contextlib.contextmanager
-def peer_errors():
+def peer_errors(resume_hint=None):
+    """Turns a failed collective (a lost peer) into `WorkerLostError`, whose
+    message ends with `resume_hint` (how to resume) when given."""
     try:
         yield
     except PEER_ERRORS as error:
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        hint = f" To resume: {resume_hint}" if resume_hint else ""
         raise WorkerLostError(
             "A collective failed: another worker died, hung or timed out "
-            f"(see its log). This worker stops too. Cause: {error}"
+            f"(see its log). This worker stops too.{hint} Cause: {cause}"
         ) from error
 
 

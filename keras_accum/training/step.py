@@ -31,25 +31,21 @@ Design choices:
   of the inner optimizer on that batch. `UpdateAccumulationAdam` and
   `InvariantAdam` take no weights, so their unequal micro-batches count
   equally (a warning says so); `last_batch="drop"` skips short batches.
-* Data position. `tf.distribute` iterators cannot be checkpointed, so the
-  checkpoint stores counters (batches trained, completed epochs) and a
-  restart replays the pipeline up to there:
-  `dataset.concatenate(end_marker).repeat(epochs).skip(done)`. Skipped
-  batches are read and discarded, so this is exact for any deterministic
-  pipeline (shuffles with a fixed seed, `reshuffle_each_iteration` included:
-  the same iterator is replayed) and costs re-reading the data already seen.
-  The end marker is an empty batch appended to each epoch: a step that sees
-  zero items trains nothing and counts an epoch.
+* Data position: the counters `batches` and `epoch` advance inside the
+  compiled step, and a restart replays the stream to them (see
+  `keras_accum.training.stream`).
 * Multi-worker input. Data is sharded by DATA: every worker runs the whole
   pipeline and keeps its replicas' part of each global batch, so B items per
   step are the same items as on one machine.
 * Checkpoints hold the model, the optimizer (its accumulators, moments and
-  counters), the model's variable list (Keras keeps Dropout's SeedGenerator
-  state there; the loop itself draws no random numbers) and the data
-  counters. Every worker saves (reading replica-local state is a
+  counters, and each replica's part of its replica-local variables), the
+  model's variable list (Keras keeps Dropout's SeedGenerator state there;
+  the loop itself draws no random numbers) and the data counters. They are
+  written atomically and verified on restore (`keras_accum.training.
+  checkpoints`). Every worker saves (reading replica-local state is a
   collective); the chief writes to the workdir, the others to a temporary
-  directory deleted after. `train` saves at window ends; `micro_step` lets a
-  checkpoint fall inside a window.
+  directory deleted after. `micro_step` lets a checkpoint fall inside a
+  window.
 * Communication per window: one all-reduce of the micro-batch counts, one of
   the logs (loss and metric sums), plus the optimizer's own
   (`GradientAccumulation`: one gradient all-reduce per window).
@@ -60,7 +56,6 @@ The step function is traced once: its only argument is the iterator and all
 counters live in variables.
 """
 
-import functools
 import shutil
 import tempfile
 
@@ -69,49 +64,12 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import base
+from keras_accum.training import checkpoints
 from keras_accum.training.distribute import data_sharded, is_chief
+from keras_accum.training.losses import _per_item, _resolve_loss, _resolve_metrics
+from keras_accum.training.stream import _size, _split, peek_batch_size, replay
 
 LAST_BATCH_POLICIES = ("weighted", "drop")
-
-
-def _split(batch):
-    """(x, y, sample_weight or None) from a dataset element."""
-    if not isinstance(batch, tuple) or len(batch) not in (2, 3):
-        raise ValueError(
-            "`dataset` elements must be tuples (x, y) or (x, y, "
-            f"sample_weight). Received element: {batch!r}"
-        )
-    return batch if len(batch) == 3 else (*batch, None)
-
-
-def _size(batch):
-    return tf.shape(tf.nest.flatten(batch)[0])[0]
-
-
-def _per_item(values, rank):
-    """Mean over the axes beyond `rank` (the sample weight's rank)."""
-    values = tf.convert_to_tensor(values)
-    extra = list(range(rank, values.shape.rank))
-    return tf.reduce_mean(values, axis=extra) if extra else values
-
-
-def peek_batch_size(dataset):
-    """Size of the first batch of `dataset` (the global batch size), or a
-    ValueError when `dataset` is empty."""
-    if not isinstance(dataset, tf.data.Dataset):
-        raise ValueError(
-            "`dataset` must be a `tf.data.Dataset` of global batches. "
-            f"Received: dataset={dataset!r}"
-        )
-    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
-        raise ValueError(
-            "`dataset` must be finite (one epoch); the loop repeats it "
-            f"`epochs` times. Received: dataset={dataset!r}"
-        )
-    first = next(iter(dataset.take(1)), None)
-    if first is None:
-        raise ValueError(f"`dataset` is empty. Received: dataset={dataset!r}")
-    return int(_size(_split(first)))
 
 
 def window_steps(optimizer):
@@ -122,68 +80,6 @@ def window_steps(optimizer):
         # varying size are fed one micro-batch at a time (`micro_step`).
         return optimizer.steps if isinstance(optimizer.steps, int) else None
     return 1
-
-
-def _resolve_loss(loss_fn):
-    if isinstance(loss_fn, str):
-        loss_fn = keras.losses.get(loss_fn)
-    if isinstance(loss_fn, keras.losses.Loss):
-        return loss_fn.call  # per-item values, no reduction
-    if not callable(loss_fn):
-        raise ValueError(
-            "`loss_fn` must be a callable (y_true, y_pred) -> per-item "
-            f"losses, a keras Loss or its name. Received: loss_fn={loss_fn!r}"
-        )
-    return loss_fn
-
-
-def _accuracy(y_true, y_pred):
-    if y_pred.shape[-1] == 1:
-        return keras.metrics.binary_accuracy(y_true, y_pred)
-    if y_true.shape.rank == y_pred.shape.rank and y_true.shape[-1] != 1:
-        return keras.metrics.categorical_accuracy(y_true, y_pred)
-    return keras.metrics.sparse_categorical_accuracy(y_true, y_pred)
-
-
-def _resolve_metrics(metrics):
-    """(name, per-item function) pairs. Keras metrics that are means of a
-    per-item function (MeanMetricWrapper: accuracies, mae, ...) are used
-    through that function; the loop keeps its own replica-local sums."""
-    resolved = []
-    for metric in metrics:
-        if metric in ("accuracy", "acc"):
-            resolved.append(("accuracy", _accuracy))
-            continue
-        if isinstance(metric, str):
-            metric = keras.metrics.get(metric)
-        if isinstance(metric, keras.metrics.MeanMetricWrapper):
-            resolved.append((metric.name, functools.partial(metric._fn, **metric._fn_kwargs)))
-        elif callable(metric) and not isinstance(metric, keras.metrics.Metric):
-            resolved.append((metric.__name__, metric))
-        else:
-            raise ValueError(
-                "Each metric must be a name, a keras MeanMetricWrapper or a "
-                "per-item function (y_true, y_pred) -> values. "
-                f"Received: metric={metric!r}"
-            )
-    return resolved
-
-
-def _end_marker(dataset):
-    """A one-element dataset holding an empty batch shaped like `dataset`'s."""
-
-    def empty(spec):
-        if not isinstance(spec, tf.TensorSpec) or spec.shape.rank is None:
-            raise ValueError(
-                "`dataset` elements must be dense tensors of known rank. "
-                f"Received: element_spec={dataset.element_spec!r}"
-            )
-        shape = [0] + [d or 0 for d in spec.shape[1:]]
-        if spec.dtype == tf.string:
-            return tf.fill(shape, "")
-        return tf.zeros(shape, spec.dtype)
-
-    return tf.data.Dataset.from_tensors(tf.nest.map_structure(empty, dataset.element_spec))
 
 
 class Trainer:
@@ -264,7 +160,6 @@ class Trainer:
             epoch=self.epoch,
             batch_in_epoch=self.batch_in_epoch,
         )
-        self._managers = {}
         self.train_step = tf.function(lambda it: self._run(it, self.steps))
         self.micro_step = tf.function(lambda it: self._run(it, 1))
         self._eval_step = tf.function(self._evaluate_batch)
@@ -296,6 +191,10 @@ class Trainer:
                     f"Received: model={model!r}"
                 )
 
+    def track(self, name, trackable):
+        """Adds `trackable` (e.g. a controller's variable) to `checkpoint`."""
+        setattr(self.checkpoint, name, trackable)
+
     # -- data -----------------------------------------------------------------
 
     def distribute(self, dataset, *, epochs=1, global_batch_size=None):
@@ -305,13 +204,18 @@ class Trainer:
         `global_batch_size` (the size of full batches) is only needed with
         `last_batch="drop"`; it is read from the first batch when omitted.
         """
-        dataset = dataset.filter(lambda *b: _size(b) > 0)
+        full = None
         if self.last_batch == "drop":
-            full = global_batch_size or peek_batch_size(dataset)
-            dataset = dataset.filter(lambda *b: _size(b) == full)
-        done = self.batches + self.epoch  # one end marker per epoch done
-        stream = dataset.concatenate(_end_marker(dataset)).repeat(epochs)
-        return self.strategy.experimental_distribute_dataset(data_sharded(stream.skip(done)))
+            full = global_batch_size or peek_batch_size(dataset.filter(lambda *b: _size(b) > 0))
+        return replay(
+            dataset, self.strategy, position=self.position, epochs=epochs, full_batch=full
+        )
+
+    @property
+    def position(self):
+        """Stream elements consumed: batches trained plus one end-of-epoch
+        marker per completed epoch (the checkpoint number)."""
+        return int(self.batches.numpy()) + int(self.epoch.numpy())
 
     # -- the step -------------------------------------------------------------
 
@@ -466,28 +370,27 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------
 
     def save(self, directory, max_to_keep=3):
-        """Saves model, optimizer and data position as
-        `directory/ckpt-<batches>`. Every worker must call it (reading the
-        replica-local optimizer state is a collective); only the chief
-        writes to `directory`, the others to a temporary one deleted after.
-        """
+        """Saves model, optimizer and data position atomically as
+        `directory/ckpt-<position>` (see `position`) and keeps the newest
+        `max_to_keep`. Every worker must call it (reading the replica-local
+        optimizer state is a collective); only the chief writes to
+        `directory`, the others to a temporary one deleted after."""
         chief = is_chief(self.strategy)
         target = directory if chief else tempfile.mkdtemp(prefix="ckpt_worker")
-        if target not in self._managers:
-            self._managers[target] = tf.train.CheckpointManager(
-                self.checkpoint, target, max_to_keep=max_to_keep
-            )
-        path = self._managers[target].save(checkpoint_number=self.batches)
+        path = checkpoints.write_tf(
+            self.checkpoint, target, self.position, max_to_keep, self.optimizer.variables
+        )
         if not chief:
-            del self._managers[target]
             shutil.rmtree(target, ignore_errors=True)
         return path
 
     def restore(self, directory):
-        """Restores the latest checkpoint in `directory`, if any; returns its
-        path or None. A checkpoint that does not match the model and
-        optimizer (another architecture or `steps`) raises."""
-        path = tf.train.latest_checkpoint(directory)
+        """Restores the newest intact checkpoint in `directory`, if any;
+        returns its path or None. Newer unusable ones are named in a
+        warning; when none is intact, or the checkpoint does not match the
+        model and optimizer (another architecture or `steps`),
+        `checkpoints.CheckpointError` names the file."""
+        path = checkpoints.newest_tf(directory)
         if path is not None:
-            self.checkpoint.restore(path).assert_consumed()
+            checkpoints.restore_tf(self.checkpoint, path, self.optimizer.variables)
         return path
