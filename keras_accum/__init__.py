@@ -9,7 +9,10 @@ Three optimizers, each usable with `model.compile(optimizer=...)`:
 * `InvariantAdam(learning_rate, steps)`: batch-size invariant Adam.
 
 `scale_hyperparameters` gives the learning rate and betas for a new number
-of micro-batches per update.
+of micro-batches per update. `steps` may also be a schedule
+(`PiecewiseSteps`, `AdaptiveSteps`) that changes the window size during a
+run; `InvariantAdam(scaling_rule=...)` then rescales its hyperparameters
+per window.
 """
 
 import os as _os
@@ -22,14 +25,17 @@ from keras_accum.gradient_accumulation import (  # noqa: E402
 )
 from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
 from keras_accum.scaling import scale_hyperparameters  # noqa: E402
+from keras_accum.schedules import AdaptiveSteps, PiecewiseSteps  # noqa: E402
 from keras_accum.update_accumulation_adam import (  # noqa: E402
     UpdateAccumulationAdam,
 )
 
 __version__ = "0.1.0"
 __all__ = [
+    "AdaptiveSteps",
     "GradientAccumulation",
     "InvariantAdam",
+    "PiecewiseSteps",
     "UpdateAccumulationAdam",
     "scale_hyperparameters",
     "weigh_micro_batches",

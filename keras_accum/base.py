@@ -53,7 +53,8 @@ import tensorflow as tf
 from keras import initializers, optimizers
 from tensorflow.python.ops import control_flow_util
 
-from keras_accum.validation import check_choice, check_float, check_int
+from keras_accum import schedules
+from keras_accum.validation import check_choice, check_float
 
 NONFINITE_POLICIES = ("skip_micro_batch", "skip_window", "raise", None)
 
@@ -129,12 +130,12 @@ def check_weight(weight):
     return weight
 
 
-class AccumulationOptimizer(optimizers.Optimizer):
+class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
     """Base class: one micro-batch per `apply`, one update per window."""
 
     def __init__(self, learning_rate, steps=1, nonfinite="skip_micro_batch", **kwargs):
         super().__init__(learning_rate=learning_rate, **kwargs)
-        self.steps = check_int("steps", steps)
+        self.steps = schedules.check_steps(steps)
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
 
     def build(self, var_list):
@@ -155,6 +156,7 @@ class AccumulationOptimizer(optimizers.Optimizer):
             name="skipped_updates",
         )
         self._window_bad = self.add_local_variable((), dtype="int64", name="window_bad")
+        self._build_window()
 
     def add_local_variable(self, shape, dtype, name, reference=None):
         """A replica-local variable: each replica holds its own part and a
@@ -222,7 +224,7 @@ class AccumulationOptimizer(optimizers.Optimizer):
         """True when the last `apply` call ended a window (an update was
         applied, or dropped under a `skip_*` policy and counted)."""
         step = self._micro_step
-        return tf.logical_and(step > 0, step % self.steps == 0)
+        return tf.logical_and(step > 0, self._window_done(step))
 
     # -- the step -----------------------------------------------------------
 
@@ -288,11 +290,11 @@ class AccumulationOptimizer(optimizers.Optimizer):
 
     def _merge_apply(self, distribution, grads, trainable_variables, weight, overwrite):
         # Cross-replica context from here on: `grads` are per-replica values.
-        window_start = tf.equal(self._micro_step % self.steps, 0)
+        window_start = self._start_window()
         if grads:
             self._accumulate(distribution, grads, trainable_variables, weight, window_start)
         micro_step = self._micro_step.assign_add(1)
-        boundary = tf.equal(micro_step % self.steps, 0)
+        boundary = self._window_done(micro_step)
         self._overwrite_with_gradients(distribution, overwrite, boundary)
         if self.steps == 1:
             self._end_window(distribution, trainable_variables)
@@ -414,5 +416,5 @@ class AccumulationOptimizer(optimizers.Optimizer):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"steps": self.steps, "nonfinite": self.nonfinite})
+        config.update({"steps": schedules.serialize_steps(self.steps), "nonfinite": self.nonfinite})
         return config

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 from keras import optimizers, saving
 
-from keras_accum import base
+from keras_accum import base, schedules
 
 # The loss denominator of the micro-batch being traced on this thread, set
 # by `weigh_micro_batches`. MirroredStrategy traces each replica on its own
@@ -181,7 +181,8 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
     Args:
         optimizer: the `keras.optimizers.Optimizer` to step once per window.
-        steps: micro-batches per window on each replica (integer >= 1).
+        steps: micro-batches per window on each replica: an integer >= 1
+            or a schedule (`keras_accum.PiecewiseSteps`, `AdaptiveSteps`).
         nonfinite: `"skip_micro_batch"`, `"skip_window"`, `"raise"` or None;
             see `keras_accum.base`.
         name: optimizer name.
@@ -362,7 +363,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
         return {
             "name": self.name,
             "optimizer": saving.serialize_keras_object(self.inner_optimizer),
-            "steps": self.steps,
+            "steps": schedules.serialize_steps(self.steps),
             "nonfinite": self.nonfinite,
         }
 

@@ -1,9 +1,10 @@
 """Batch-size invariant Adam (Wang & Aitchison 2024, arXiv:2402.18824)."""
 
+import keras
 import tensorflow as tf
 from keras import saving
 
-from keras_accum import base
+from keras_accum import base, schedules
 from keras_accum.adam_family import AdamFamily
 
 
@@ -53,16 +54,40 @@ class InvariantAdam(AdamFamily):
       the last micro-batch's gradient at the window's end. With `steps=1` on
       one replica all of these equal `keras.optimizers.Adam`.
 
+    **Changing kappa during a run.** `steps` may be a schedule
+    (`keras_accum.PiecewiseSteps`, `keras_accum.AdaptiveSteps`); each window
+    k then has its own kappa_k, fixed when it starts. With a `scaling_rule`,
+    `learning_rate`, `beta_1`, `beta_2` and `epsilon` are the values tuned
+    for ONE micro-batch per update and window k uses
+
+        lr_k = kappa_k * lr
+        1 - beta_i,k = kappa_k * (1 - beta_i)   ("invariant")
+        beta_i,k = beta_i ** kappa_k            ("power")
+        P_i = prod over windows so far of beta_i,k   (state, checkpointed)
+        alpha_k = lr_k * sqrt(1 - P_2) / (1 - P_1)
+
+    (epsilon unchanged). With a constant kappa P_i = beta_i,k ** k, i.e.
+    `InvariantAdam(**scale_hyperparameters(kappa, rule, ...))`; after a
+    switch, P keeps the betas the earlier windows really used. A
+    learning-rate schedule is then evaluated at the number of micro-batches
+    consumed over all replicas before the window, so one written for
+    kappa = 1 keeps its meaning. "invariant" is refused (naming the beta)
+    when a window of the schedule would make a beta <= 0; "power" never is.
+
     Args:
-        learning_rate: float, schedule (sees the update count) or callable.
+        learning_rate: float, schedule (sees the update count, or with a
+            `scaling_rule` the micro-batches consumed) or callable.
         beta_1, beta_2, epsilon: as in `keras.optimizers.Adam`.
-        steps: micro-batches per update on each replica (integer >= 1).
+        steps: micro-batches per update on each replica: an integer >= 1 or
+            a schedule (`keras_accum.PiecewiseSteps`, `AdaptiveSteps`).
+        scaling_rule: None (the hyperparameters are used as given, whatever
+            kappa), "invariant" or "power" (see above).
         nonfinite: `"skip_micro_batch"`, `"raise"` or None.
         weight_decay: optional decoupled weight decay.
         name: optimizer name.
     """
 
-    def __init__(self, *args, name="invariant_adam", **kwargs):
+    def __init__(self, *args, name="invariant_adam", scaling_rule=None, **kwargs):
         if kwargs.get("nonfinite") == "skip_window":
             raise ValueError(
                 "InvariantAdam folds each micro-batch into its moments and "
@@ -70,6 +95,10 @@ class InvariantAdam(AdamFamily):
                 "'raise'. Received: nonfinite='skip_window'"
             )
         super().__init__(*args, name=name, **kwargs)
+        # One replica until `build` knows the strategy's replica count.
+        self.scaling_rule = schedules.check_scaling_rule(
+            scaling_rule, self.beta_1, self.beta_2, schedules.steps_range(self.steps)[1]
+        )
 
     def build(self, var_list):
         if self.built:
@@ -83,6 +112,7 @@ class InvariantAdam(AdamFamily):
             self._velocities.append(
                 self.add_local_variable(var.shape, var.dtype, "velocity", reference=var)
             )
+        self._build_scaling()
 
     def _accumulate(self, distribution, grads, variables, weight, start):
         distribution.extended.call_for_each_replica(self._fold, args=(grads, variables, start))
@@ -102,34 +132,44 @@ class InvariantAdam(AdamFamily):
         # gradient, and the window's decay of m and v still happens.
         grads, _ = self._screen(grads)
         grads = self._clip_micro_batch(grads, replicas)
-        first = tf.cast(start, grads[0].dtype) if self.steps > 1 else 1.0
+        first = 1.0 if self._single_step() else tf.cast(start, grads[0].dtype)
         self._fold_moments(grads, moments, replicas, first)
+
+    def _single_step(self):
+        """True when every window is one micro-batch per replica (a constant
+        `steps=1`): the fold then needs no window-start flag."""
+        steps = self.window_steps
+        return isinstance(steps, int) and steps == 1
 
     def _fold_moments(self, grads, moments, replicas, first):
         """m += (1 - beta_1) (g_j / kappa - first m), v likewise with the
-        squares; `first` is 1 at the window's first micro-batch, else 0."""
+        squares; `first` is 1 at the window's first micro-batch, else 0
+        (a Python float when known while tracing, else a tensor)."""
+        steps, beta_1_rate, beta_2_rate = self._window_factors(replicas)
         for g, (m, v) in zip(grads, moments):
             # Micro-batch j of the window contributes g_j / kappa to the
             # mean gradient; with g = g_r / replicas that is g / steps.
-            mean_part = g if self.steps == 1 else g / self.steps
+            mean_part = g if self._single_step() else g / _cast(steps, m.dtype)
             # ... and g_j**2 / kappa = g**2 * replicas / steps to the mean
             # squared gradient (the replica factor undone before squaring).
             square_part = tf.square(g)
-            if replicas != self.steps:
-                square_part = square_part * (replicas / self.steps)
+            if not isinstance(steps, int) or replicas != steps:
+                square_part = square_part * _cast(replicas / steps, m.dtype)
+            # 1 - beta_i of this window (its kappa under `scaling_rule`)
+            b1, b2 = _cast(beta_1_rate, m.dtype), _cast(beta_2_rate, m.dtype)
             if isinstance(first, float):  # Python 1.0 or 0.0: fewer ops.
                 if first:
                     # m = beta_1 m + (1 - beta_1) g_j / kappa (Keras's form)
-                    self.assign_add(m, (mean_part - m) * (1 - self.beta_1))
-                    self.assign_add(v, (square_part - v) * (1 - self.beta_2))
+                    self.assign_add(m, (mean_part - m) * b1)
+                    self.assign_add(v, (square_part - v) * b2)
                 else:
                     # m += (1 - beta_1) g_j / kappa
-                    self.assign_add(m, mean_part * (1 - self.beta_1))
-                    self.assign_add(v, square_part * (1 - self.beta_2))
+                    self.assign_add(m, mean_part * b1)
+                    self.assign_add(v, square_part * b2)
             else:
                 # m += (1 - beta_1) (g_j / kappa - [window start] m)
-                self.assign_add(m, (mean_part - first * m) * (1 - self.beta_1))
-                self.assign_add(v, (square_part - first * v) * (1 - self.beta_2))
+                self.assign_add(m, (mean_part - first * m) * b1)
+                self.assign_add(v, (square_part - first * v) * b2)
 
     def _fold_graph(self, grads, moments, replicas, start):
         """`_fold` in graph mode: the same arithmetic (x - 0 m = x exactly),
@@ -152,7 +192,7 @@ class InvariantAdam(AdamFamily):
             else:
                 tf.cond(ok, lambda: fold(first), lambda: skip(first))
 
-        if self.steps == 1:
+        if self._single_step():
             either(1.0)
         else:
             tf.cond(start, lambda: either(1.0), lambda: either(0.0))
@@ -160,6 +200,8 @@ class InvariantAdam(AdamFamily):
     def _update(self, distribution, variables, window):
         learning_rate = self.learning_rate
         update_count = self._iterations + 1
+        if self.scaling_rule is not None:
+            learning_rate, update_count = self._scaled_rate(distribution)
         replicated = distribution.num_replicas_in_sync > 1
         for var in variables:
             index = self._get_variable_index(var)
@@ -179,7 +221,74 @@ class InvariantAdam(AdamFamily):
                 base.assign_total(v, v_total)
 
     def _apply_moments(self, variable, m, v, learning_rate, update_count):
-        alpha = self._adam_alpha(learning_rate, update_count, variable.dtype)
+        if self.scaling_rule is None:
+            alpha = self._adam_alpha(learning_rate, update_count, variable.dtype)
+        else:  # `update_count` is the bias correction, see `_scaled_rate`
+            alpha = tf.cast(learning_rate * update_count, variable.dtype)
         self._decay(variable, tf.cast(learning_rate, variable.dtype))
         # theta = theta - alpha_k m / (sqrt(v) + epsilon)
         variable.assign_sub((m * alpha) / (tf.sqrt(v) + self.epsilon))
+
+    # -- hyperparameters that follow the window size (`scaling_rule`) --------
+
+    def _build_scaling(self):
+        replicas = self._distribution_strategy.num_replicas_in_sync
+        max_kappa = schedules.steps_range(self.steps)[1] * replicas
+        schedules.check_scaling_rule(self.scaling_rule, self.beta_1, self.beta_2, max_kappa)
+        if self.scaling_rule is None:
+            return
+        # P_i = prod over windows so far of beta_i,k (bias correction).
+        self._beta_products = [
+            self.add_variable(
+                (),
+                initializer="ones",
+                dtype="float32",
+                aggregation="only_first_replica",
+                name=f"beta_{i}_product",
+            )
+            for i in (1, 2)
+        ]
+
+    def _window_factors(self, replicas):
+        """(steps, 1 - beta_1,k, 1 - beta_2,k) of the current window: Python
+        numbers with a constant `steps`, else float32 tensors."""
+        steps = self.window_steps
+        if not isinstance(steps, int):
+            steps = tf.cast(steps, "float32")
+        kappa = steps * replicas
+        return (
+            steps,
+            schedules.one_minus_beta(self.beta_1, kappa, self.scaling_rule),
+            schedules.one_minus_beta(self.beta_2, kappa, self.scaling_rule),
+        )
+
+    def _scaled_rate(self, distribution):
+        """Cross-replica, once per window: (lr_k, sqrt(1 - P_2) / (1 - P_1))
+        after folding this window's betas into P_1, P_2."""
+        replicas = distribution.num_replicas_in_sync
+        steps, beta_1_rate, beta_2_rate = self._window_factors(replicas)
+        kappa = steps * replicas
+        p_1, p_2 = self._beta_products
+        # P_i = P_i * beta_i,k
+        p_1 = p_1.assign(p_1 * (1 - beta_1_rate))
+        p_2 = p_2.assign(p_2 * (1 - beta_2_rate))
+        correction = tf.sqrt(1 - p_2) / (1 - p_1)
+        if isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            # A schedule written for kappa = 1 sees the micro-batches consumed
+            # over all replicas before this window.
+            before = (self._micro_step - tf.cast(self.window_steps, "int64")) * replicas
+            learning_rate = self._learning_rate(before)
+        else:
+            learning_rate = self.learning_rate
+        # lr_k = kappa_k * lr
+        return tf.cast(learning_rate, "float32") * kappa, correction
+
+    def get_config(self):
+        config = super().get_config()
+        config["scaling_rule"] = self.scaling_rule
+        return config
+
+
+def _cast(value, dtype):
+    """A tensor cast to `dtype`; a Python number as it is."""
+    return value if isinstance(value, (int, float)) else tf.cast(value, dtype)

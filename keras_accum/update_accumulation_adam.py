@@ -3,7 +3,7 @@
 import tensorflow as tf
 from keras import saving
 
-from keras_accum import base
+from keras_accum import base, schedules
 from keras_accum.adam_family import AdamFamily
 
 
@@ -44,7 +44,8 @@ class UpdateAccumulationAdam(AdamFamily):
     Args:
         learning_rate: float, schedule (sees the update count) or callable.
         beta_1, beta_2, epsilon: as in `keras.optimizers.Adam`.
-        steps: micro-steps per update (integer >= 1).
+        steps: micro-steps per update: an integer >= 1 or a schedule
+            (`keras_accum.PiecewiseSteps`, `keras_accum.AdaptiveSteps`).
         nonfinite: `"skip_micro_batch"`, `"skip_window"`, `"raise"` or None.
         weight_decay: optional decoupled weight decay.
         name: optimizer name.
@@ -63,10 +64,12 @@ class UpdateAccumulationAdam(AdamFamily):
             aggregation="only_first_replica",
             name="moment_steps",
         )
-        slots = ["momentum", "velocity"] + (["update"] if self.steps > 1 else [])
+        # No buffer A when every window is one micro-step (plain Adam).
+        buffered = schedules.steps_range(self.steps)[1] > 1
+        slots = ["momentum", "velocity"] + (["update"] if buffered else [])
         slots = self.add_optimizer_variables(var_list, slots)
         self._momentums, self._velocities = slots[0], slots[1]
-        self._updates = slots[2] if self.steps > 1 else None
+        self._updates = slots[2] if buffered else None
 
     def _accumulate(self, distribution, grads, variables, weight, start):
         # Moments are shared: reduce the gradient every micro-step (SUM of the

@@ -128,3 +128,30 @@ class SGD:
 
     def apply(self, params, grads):
         return [p - self.lr * g for p, g in zip(params, grads)]
+
+
+def scheduled_invariant_adam(theta, windows, lr, b1, b2, eps=1e-7, rule=None, lr_fn=None):
+    """InvariantAdam when window k holds kappa_k = len(windows[k]) micro-batch
+    gradients (arrays [kappa_k, ...], one variable). With `rule`, lr, b1, b2
+    are the values for kappa = 1 and window k uses lr_k = kappa_k lr and
+    1 - b_k = kappa_k (1 - b) ("invariant") or b_k = b ** kappa_k ("power");
+    the bias correction uses P_i = prod of the betas applied. `lr_fn(n)`
+    replaces lr: n = micro-batches before the window (rule) or updates."""
+    m = v = np.zeros_like(theta)
+    p1 = p2 = 1.0
+    consumed = 0
+    for k, g in enumerate(windows):
+        kappa = len(g)
+        base = lr_fn(consumed if rule else k) if lr_fn else lr
+        if rule is None:
+            lr_k, b1k, b2k = base, b1, b2
+        elif rule == "invariant":
+            lr_k, b1k, b2k = kappa * base, 1 - kappa * (1 - b1), 1 - kappa * (1 - b2)
+        else:
+            lr_k, b1k, b2k = kappa * base, b1**kappa, b2**kappa
+        m = b1k * m + (1 - b1k) * g.mean(0)
+        v = b2k * v + (1 - b2k) * (g**2).mean(0)  # square, then average
+        p1, p2 = p1 * b1k, p2 * b2k
+        theta = theta - lr_k * np.sqrt(1 - p2) / (1 - p1) * m / (np.sqrt(v) + eps)
+        consumed += kappa
+    return theta

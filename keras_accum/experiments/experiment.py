@@ -62,15 +62,23 @@ def make_strategy(name):
 def make_optimizer(config, kappa, total_updates):
     """The configured optimizer, hyperparameters scaled to `kappa`."""
     hyper = {k: config[k] for k in ("learning_rate", "beta_1", "beta_2", "epsilon")}
-    if config["scaling_rule"]:
+    # A steps schedule: InvariantAdam rescales per window itself, and its lr
+    # schedule counts micro-batches over all replicas (kappa per update).
+    scheduled = config["steps_boundaries"] is not None
+    if config["scaling_rule"] and not scheduled:
         hyper = ka.scale_hyperparameters(kappa, config["scaling_rule"], **hyper)
     if config["lr_schedule"] == "cosine":
         hyper["learning_rate"] = keras.optimizers.schedules.CosineDecay(
-            hyper["learning_rate"], decay_steps=total_updates
+            hyper["learning_rate"], decay_steps=total_updates * (kappa if scheduled else 1)
         )
+    steps = config["steps"]
+    if scheduled:
+        steps = ka.PiecewiseSteps(config["steps_boundaries"], config["steps_values"])
+        if config["scaling_rule"]:  # invariant_adam only (run_config checks)
+            hyper["scaling_rule"] = config["scaling_rule"]
     return optimizers.build(
         config["optimizer"],
-        config["steps"],
+        steps,
         hyper,
         inner=config["inner_optimizer"],
         weight_decay=config["weight_decay"],

@@ -73,6 +73,22 @@ FIELDS = [
     ),
     F("micro_batch_size", "int", 32, "Items per micro-batch per replica", minimum=1),
     F("steps", "int", 4, "Micro-batches per update per replica", minimum=1),
+    # A batch-size schedule (keras_accum.PiecewiseSteps); `steps` is then its
+    # largest value, the unit of an epoch (a whole number of such windows).
+    F(
+        "steps_boundaries",
+        "list",
+        None,
+        "Micro-steps per replica where the window size moves to the next of steps_values",
+        item=F("", "int", 1, "", minimum=1),
+    ),
+    F(
+        "steps_values",
+        "list",
+        None,
+        "Window sizes of the schedule (one more than steps_boundaries; max = steps)",
+        item=F("", "int", 1, "", minimum=1),
+    ),
     F("epochs", "int", 10, "Epochs", minimum=1),
     # The first examples of train, the same for every seed; 0 = none (the
     # per-epoch evaluation then runs on test and is logged as test_*).
@@ -116,6 +132,43 @@ def check_scaling(config, replicas=1):
             raise cfg.ConfigError(f"scaling_rule={config['scaling_rule']!r}: {e}") from None
 
 
+def _check_steps_schedule(config):
+    """A schedule needs both lists, a valid PiecewiseSteps, `steps` = its
+    largest value, and a scaling rule InvariantAdam can follow per window."""
+    boundaries, values = config["steps_boundaries"], config["steps_values"]
+    if boundaries is None and values is None:
+        return
+    received = f"Received: steps_boundaries={boundaries!r}, steps_values={values!r}"
+    if boundaries is None or values is None:
+        raise cfg.ConfigError(f"Give both `steps_boundaries` and `steps_values`. {received}")
+    try:
+        ka.PiecewiseSteps(boundaries, values)
+    except ValueError as e:
+        raise cfg.ConfigError(str(e)) from None
+    if config["steps"] != max(values):
+        raise cfg.ConfigError(
+            f"`steps` must be the schedule's largest window {max(values)}. "
+            f"Received: steps={config['steps']!r}"
+        )
+    rule = config["scaling_rule"]
+    if rule and (rule == "sqrt" or config["optimizer"] != "invariant_adam"):
+        raise cfg.ConfigError(
+            "With a steps schedule only optimizer='invariant_adam' rescales per window, "
+            f"with scaling_rule 'invariant' or 'power'. Received: scaling_rule={rule!r}, "
+            f"optimizer={config['optimizer']!r}"
+        )
+    if config["lr_schedule"] != "constant" and not rule:
+        raise cfg.ConfigError(
+            "A learning-rate schedule with a steps schedule needs a scaling_rule (it then "
+            f"counts micro-batches). Received: lr_schedule={config['lr_schedule']!r}"
+        )
+    if config["strategy"] == "multi_worker":
+        raise cfg.ConfigError(
+            "The multi-worker loop (keras_accum.training.train) needs a constant `steps`. "
+            + received
+        )
+
+
 def _check_data_dir(config):
     folder = config["data_dir"]
     if folder is not None and pathlib.Path(folder).exists() and not pathlib.Path(folder).is_dir():
@@ -130,7 +183,9 @@ def _check_tf_config(config):
 
 
 SCHEMA = cfg.Schema(
-    "run", FIELDS, [_check_model_kwargs, check_scaling, _check_data_dir, _check_tf_config]
+    "run",
+    FIELDS,
+    [_check_model_kwargs, check_scaling, _check_steps_schedule, _check_data_dir, _check_tf_config],
 )
 DEFAULTS = SCHEMA.defaults()
 

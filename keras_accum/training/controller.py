@@ -338,6 +338,12 @@ def train(
         raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
     global_batch = peek_batch_size(dataset)
     opt_steps = window_steps(optimizer)
+    if opt_steps is None:
+        raise ValueError(
+            "`train` needs a constant `steps`; with a schedule drive "
+            "`Trainer.micro_step` over a dataset of micro-batches. "
+            f"Received: steps={optimizer.steps!r}"
+        )
     micro = _check_split(
         global_batch, strategy.num_replicas_in_sync, opt_steps, steps, micro_batch_size
     )

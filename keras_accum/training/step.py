@@ -80,7 +80,9 @@ def window_steps(optimizer):
     """Micro-batches per replica per update: a Keras optimizer updates on
     every micro-batch, so it gets one micro-batch per global batch."""
     if isinstance(optimizer, base.AccumulationOptimizer):
-        return optimizer.steps
+        # None for a schedule (keras_accum.PiecewiseSteps, ...): windows of
+        # varying size are fed one micro-batch at a time (`micro_step`).
+        return optimizer.steps if isinstance(optimizer.steps, int) else None
     return 1
 
 
@@ -232,6 +234,12 @@ class Trainer:
 
     def _run(self, iterator, parts):
         """One dataset element: `parts` micro-batches per replica."""
+        if parts is None:
+            raise ValueError(
+                "The optimizer's `steps` is a schedule: its windows change size, "
+                "so feed a dataset of micro-batches to `Trainer.micro_step` "
+                f"instead of `train_step`. Received: steps={self.optimizer.steps!r}"
+            )
         batch = next(iterator)
         totals = self.strategy.run(self._count, args=(batch, parts))
         self.strategy.run(lambda: self._sums.assign(tf.zeros_like(self._sums)))

@@ -1,0 +1,86 @@
+"""Batch-size schedules study (docs/BATCH_SIZE_SCHEDULES.md).
+
+MLP on MNIST-1D, micro-batch 32. Two experiments (see
+keras_accum/experiments/schedules_study.py):
+
+* switch: kappa = 1 -> 8 half way, for InvariantAdam with the "invariant"
+  and "power" rules and for Adam with the square-root rule re-applied at the
+  switch, at base learning rates 1e-4 (small), 1e-3 and 1e-2 (large);
+* adaptive: AdaptiveSteps(1, 16) from the gradient noise scale against
+  constant kappa = 1 and kappa = 16 (power rule: 16 x (1 - 0.9) >= 1 would
+  make the linear rule's beta_1 <= 0).
+
+    full: 3 seeds, 32768 examples per run; 90 runs, about 3.5 min wall on
+    the shared 2-core machine.
+    python scripts/schedules_study.py --config saved_configs/batch_size_schedules.py \
+        --variant full --workdir runs/schedules-full
+
+    smoke: 1 seed, 2048 examples per run, one learning rate.
+    python scripts/schedules_study.py --config saved_configs/batch_size_schedules.py \
+        --variant smoke --workdir runs/schedules-smoke
+"""
+
+MICRO_BATCH = 32
+MAX_STEPS = 16
+WINDOW = MAX_STEPS * MICRO_BATCH  # 512: evaluation points are multiples
+
+
+def get_config(variant="full"):
+    if variant not in ("full", "smoke", "charlm"):
+        raise ValueError(
+            f"`variant` must be 'full', 'smoke' or 'charlm'. Received: variant={variant!r}"
+        )
+    config = {
+        "dataset": "mnist1d",
+        "model": "mlp",
+        "micro_batch_size": MICRO_BATCH,
+        "beta_1": 0.9,
+        "beta_2": 0.999,
+        "epsilon": 1e-7,
+        "switch_kappa": 8,
+        "switch_methods": ["invariant", "power", "sqrt"],
+        "adaptive_max_steps": MAX_STEPS,
+        "probe_windows": 4,
+        "probe_ema": 0.9,
+    }
+    if variant == "full":
+        config.update(
+            seeds=[0, 1, 2],
+            train_examples=64 * WINDOW,  # 32768
+            switch_examples=32 * WINDOW,  # half way
+            eval_every=2 * WINDOW,  # 1024
+            probe_every=2 * WINDOW,
+            switch_learning_rates=[1e-4, 1e-3, 1e-2],
+            adaptive_learning_rates=[3e-4, 1e-3],
+        )
+    elif variant == "charlm":
+        # The character-level transformer LM (keras_accum.experiments.charlm):
+        # micro-batch 16 sequences of 64 characters, 4096 sequences per run
+        # (one epoch), switch at 2048; no adaptive runs. 24 runs, about
+        # 20 min wall on the shared 2-core machine.
+        config.update(
+            dataset="char_corpus",
+            micro_batch_size=16,
+            adaptive_max_steps=8,
+            switch_methods=["invariant", "sqrt"],
+            seeds=[0, 1],
+            train_examples=4096,
+            switch_examples=2048,
+            eval_every=256,
+            probe_every=256,
+            train_eval_examples=256,
+            switch_learning_rates=[1e-4, 3e-4],
+            adaptive_learning_rates=[],
+        )
+    else:
+        config.update(
+            seeds=[0],
+            train_examples=4 * WINDOW,
+            switch_examples=2 * WINDOW,
+            eval_every=WINDOW,
+            probe_every=WINDOW,
+            switch_learning_rates=[1e-3],
+            adaptive_learning_rates=[1e-3],
+            verbose=0,
+        )
+    return config

@@ -1,0 +1,58 @@
+"""Batch-size schedules study: kappa switched during a run, and adaptive
+kappa from the gradient noise scale (see
+keras_accum/experiments/schedules_study.py and docs/BATCH_SIZE_SCHEDULES.md).
+
+    python scripts/schedules_study.py --config saved_configs/batch_size_schedules.py \
+        --variant full --workdir runs/schedules-full
+
+Writes runs.csv, decisions.csv, summary.md, switch_lr_*.png,
+adaptive_lr_*.png, config.json and summary.json into --workdir.
+"""
+
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Use the package of this checkout, whatever else is installed.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from absl import (
+    app,  # noqa: E402
+    flags,  # noqa: E402
+    logging,  # noqa: E402
+)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string(
+    "config",
+    "saved_configs/batch_size_schedules.py",
+    "saved_configs/*.py file or a run folder's config.json.",
+)
+flags.DEFINE_enum("variant", "full", ["full", "smoke", "charlm"], "Which get_config(variant).")
+flags.DEFINE_string("workdir", None, "Output folder (default runs/schedules-<variant>-<time>).")
+flags.DEFINE_string("data_dir", None, "TFDS data_dir (mnist1d is built there).")
+
+
+def main(argv):
+    if len(argv) > 1:
+        sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
+    logging.set_verbosity(logging.WARNING)
+    from keras_accum.experiments import experiment, schedules_study
+
+    try:
+        config = experiment.load_config_file(FLAGS.config, FLAGS.variant)
+        if FLAGS.data_dir:
+            config["data_dir"] = FLAGS.data_dir
+        workdir = FLAGS.workdir or os.path.join(
+            "runs", f"schedules-{FLAGS.variant}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        schedules_study.run_study(config, workdir)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    print(f"Table: {workdir}/summary.md")
+
+
+if __name__ == "__main__":
+    app.run(main)
