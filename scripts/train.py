@@ -77,13 +77,15 @@ def run_config(fv):
 
 
 def main(argv):
-    """The script; returns its exit status (0 done, 1 refused run, 2 bad flags)."""
+    """The script; returns its exit status (0 done, 1 refused run, 2 bad flags,
+    3 a multi-worker peer was lost: resume with the command in the message)."""
     logging.set_verbosity(logging.WARNING)  # TFDS logs every dataset read
     fv = make_flags()
     if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
         print(usage(fv))
         return 0
     from keras_accum.experiments import experiment
+    from keras_accum.training import WorkerLostError
 
     try:
         parse(fv, argv)
@@ -98,6 +100,9 @@ def main(argv):
     except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except WorkerLostError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     print(
         f"\nResults in {workdir}/ (config.json, metrics.csv, curves.png, "
         "final.json, tensorboard/, checkpoints/)"

@@ -88,15 +88,24 @@ def make_optimizer(config, kappa, total_updates):
 def training_stream(config, global_micro_batch, start_batch, held_out=0):
     """Global micro-batches of an endless, seeded reshuffling stream.
 
-    A fresh stream with the same seed replays the same order, so skipping
-    `start_batch` batches resumes exactly where a run stopped.
+    Every iterator replays the same order from the seed, so skipping
+    `start_batch` batches resumes exactly where a run stopped. The shuffle is
+    built inside `flat_map` so that each iterator gets its own reshuffle
+    state: a shuffle's seed generator is otherwise shared by all iterators of
+    the dataset, and `model.fit` under a distribution strategy opens one
+    iterator to peek at a batch before training; the training iterator then
+    began one reshuffle later, by how many passes the peek skipped.
     """
     examples = data.load(
         config["dataset"], "train", data_dir=config["data_dir"], validation_examples=held_out
     )
-    stream = examples.shuffle(
-        examples.cardinality(), seed=config["seed"], reshuffle_each_iteration=True
-    ).repeat()
+
+    def passes(_):
+        return examples.shuffle(
+            examples.cardinality(), seed=config["seed"], reshuffle_each_iteration=True
+        ).repeat()
+
+    stream = tf.data.Dataset.range(1).flat_map(passes)
     stream = stream.batch(global_micro_batch, drop_remainder=True)
     return stream.skip(start_batch).prefetch(tf.data.AUTOTUNE)
 
@@ -282,7 +291,9 @@ def _validation_split(config, held_out):
         config["dataset"],
         "validation",
         data_dir=config["data_dir"],
-        batch_size=1000,
+        # At most one batch per pass: a partial batch under MirroredStrategy
+        # is split by the full size, leaving a replica an empty part.
+        batch_size=min(1000, held_out),
         validation_examples=held_out,
     )
 
