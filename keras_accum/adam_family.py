@@ -1,6 +1,8 @@
 """Constructor, clipping and Adam arithmetic shared by the two Adam
 variants (`InvariantAdam`, `UpdateAccumulationAdam`)."""
 
+from typing import Any
+
 import tensorflow as tf
 
 from keras_accum.base import AccumulationOptimizer
@@ -21,15 +23,15 @@ class AdamFamily(AccumulationOptimizer):
 
     def __init__(
         self,
-        learning_rate=0.001,
-        beta_1=0.9,
-        beta_2=0.999,
-        epsilon=1e-7,
-        steps=1,
-        nonfinite="skip_micro_batch",
-        weight_decay=None,
-        name=None,
-        **kwargs,
+        learning_rate: Any = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        steps: Any = 1,
+        nonfinite: str | None = "skip_micro_batch",
+        weight_decay: float | None = None,
+        name: str | None = None,
+        **kwargs: Any,
     ):
         for unsupported in ADAM_UNSUPPORTED:
             if kwargs.get(unsupported):

@@ -46,6 +46,8 @@ in the current window, for `"skip_window"`), then each subclass's slots.
 
 import collections
 import contextlib
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -233,7 +235,12 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         self.apply(grads, trainable_variables, weight=weight)
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None, weight=None):
+    def apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any] | None = None,
+        weight: Any = None,
+    ) -> None:
         """Folds one micro-batch in; updates the variables at a boundary.
 
         Args:

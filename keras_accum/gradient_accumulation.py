@@ -1,6 +1,8 @@
 """Gradient accumulation around any Keras optimizer."""
 
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -188,7 +190,13 @@ class GradientAccumulation(base.AccumulationOptimizer):
         name: optimizer name.
     """
 
-    def __init__(self, optimizer, steps=1, nonfinite="skip_micro_batch", name=None):
+    def __init__(
+        self,
+        optimizer: optimizers.Optimizer,
+        steps: Any = 1,
+        nonfinite: str | None = "skip_micro_batch",
+        name: str | None = None,
+    ):
         if not isinstance(optimizer, optimizers.Optimizer):
             raise ValueError(
                 "`optimizer` must be a `keras.optimizers.Optimizer` instance. "
@@ -249,7 +257,12 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def apply(self, grads, trainable_variables=None, weight=None):
+    def apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any] | None = None,
+        weight: Any = None,
+    ) -> None:
         items = getattr(_fit_items, "value", None)
         if items is None:
             items = _fit_items_by_replica.get(_replica_id())

@@ -1,5 +1,7 @@
 """Batch-size invariant Adam (Wang & Aitchison 2024, arXiv:2402.18824)."""
 
+from typing import Any
+
 import keras
 import tensorflow as tf
 from keras import saving
@@ -87,7 +89,13 @@ class InvariantAdam(AdamFamily):
         name: optimizer name.
     """
 
-    def __init__(self, *args, name="invariant_adam", scaling_rule=None, **kwargs):
+    def __init__(
+        self,
+        *args: Any,
+        name: str = "invariant_adam",
+        scaling_rule: str | None = None,
+        **kwargs: Any,
+    ):
         if kwargs.get("nonfinite") == "skip_window":
             raise ValueError(
                 "InvariantAdam folds each micro-batch into its moments and "

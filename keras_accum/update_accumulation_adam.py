@@ -1,5 +1,7 @@
 """Update-accumulation Adam: moments every micro-batch, parameters every N."""
 
+from typing import Any
+
 import tensorflow as tf
 from keras import saving
 
@@ -51,7 +53,7 @@ class UpdateAccumulationAdam(AdamFamily):
         name: optimizer name.
     """
 
-    def __init__(self, *args, name="update_accumulation_adam", **kwargs):
+    def __init__(self, *args: Any, name: str = "update_accumulation_adam", **kwargs: Any):
         super().__init__(*args, name=name, **kwargs)
 
     def build(self, var_list):
