@@ -10,6 +10,7 @@ import pytest
 import references
 import tensorflow as tf
 from conftest import mirrored_strategy
+from test_fit_and_saving import X, Y, build_model
 
 import keras_accum as ka
 
@@ -244,16 +245,7 @@ def test_linear_rule_refused_at_build_with_the_replica_count():
 
 # -- model.fit: save/load across a switch, MirroredStrategy -------------------
 
-RNG = np.random.default_rng(0)
-X = RNG.normal(size=(48, 5)).astype("float32")
-Y = RNG.normal(size=(48, 2)).astype("float32")
-
-
-def build_model():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)]
-    )
+# The data and model of the model.fit tests (tests/test_fit_and_saving.py).
 
 
 MAKERS = {
