@@ -30,7 +30,7 @@ from keras_accum.update_accumulation_adam import (  # noqa: E402
     UpdateAccumulationAdam,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "AdaptiveSteps",
     "GradientAccumulation",

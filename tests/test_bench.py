@@ -52,10 +52,12 @@ def test_every_contender_has_finite_positive_ratios(result):
     assert rows["keras_accumulation"]["ratios"]["vs_keras_accumulation"]["median"] == 1.0
 
 
-def test_no_retracing_after_warm_up_or_a_learning_rate_change(result):
+def test_no_retracing_after_warm_up_or_a_learning_rate_or_steps_change(result):
     for row in result["rows"]:
         assert row["retraces"] == 0, row["contender"]
         assert row["retraces_learning_rate"] == 0, row["contender"]
+        if row["role"] == "ours":  # `steps` held in a variable (AdaptiveSteps)
+            assert row["retraces_steps"] == 0, row["contender"]
 
 
 def test_optimizer_bytes_per_parameter(result):

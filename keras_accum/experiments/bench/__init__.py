@@ -27,8 +27,10 @@ How a time is taken (`runner`, `group`):
   (`gradients_only`) plus one Adam update, per micro-batch.
 * Traces are counted with a Python counter around `model.train_step` and
   the tracing counts of the `tf.function`s inside `model.train_function`;
-  after warm-up, and after the learning rate (or `steps`, where it is a
-  variable) changes, the count must not move.
+  after warm-up, and after the learning rate changes, the count must not
+  move. For `steps`, each of our optimizers is built once more (untimed)
+  with `AdaptiveSteps(N, 2N)`, whose window size is a variable; the probe
+  doubles it between two calls and counts again.
 * Under MirroredStrategy the cross-replica reductions are counted while
   tracing, split into those that run every micro-step and those inside a
   conditional (the window's end).

@@ -116,8 +116,31 @@ def run_group(model_name, setting_name, config, micro_batch=None, strategy=None)
         )
         for what in runner_lib.PROBES:  # After timing: probes call once more.
             rows[name][f"retraces_{what}"] = runner_lib.retraces_after_change(runner, what)
+    _probe_steps_variable(rows, runners, model_name, setting, config, micro_batch, strategy)
     add_ratios(rows, samples, config.steps)
     return list(rows.values())
+
+
+def _probe_steps_variable(rows, runners, model_name, setting, config, micro_batch, strategy):
+    """Our optimizers time with a constant `steps` (what a user gets); the
+    `steps` probe needs it in a variable, so each is built once more with
+    `AdaptiveSteps` (untimed), warmed up, then probed."""
+    for name in runners:
+        contender = CONTENDERS[name]
+        if contender.role != "ours" or rows[name].get("retraces_steps") is not None:
+            continue
+        runner_class = contender.runner or runner_lib.FitRunner
+        probe = runner_class(
+            WORKLOADS[model_name],
+            runner_lib.with_steps_variable(contender, micro_batch),
+            config,
+            strategy,
+            setting,
+            micro_batch,
+        )
+        rows[name]["retraces_steps"] = runner_lib.retraces_after_change(probe, "steps")
+        del probe
+        gc.collect()
 
 
 def quartiles(values):

@@ -3,12 +3,16 @@ own train function and counts what a run must not do (retrace, reduce
 across replicas more than once per window)."""
 
 import contextlib
+import dataclasses
 import re
 import time
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+import keras_accum as ka
+from keras_accum import schedules
 
 
 def tf_functions(fn, depth=0, seen=None):
@@ -196,12 +200,27 @@ def _change_learning_rate(optimizer):
 
 
 def _change_steps(optimizer):
-    steps = getattr(optimizer, "steps", None)
+    schedule = getattr(optimizer, "steps", None)
+    # `AdaptiveSteps` holds the next window's size in a variable; a
+    # Python-int `steps` has none (changing it means a new optimizer).
+    steps = None
+    if isinstance(schedule, schedules.StepsSchedule):
+        steps = getattr(schedule, "steps", None)
     if not hasattr(steps, "assign"):
-        return None  # `steps` is a Python number: changing it means a new step.
+        return None
     old = int(keras.ops.convert_to_numpy(steps))
     steps.assign(2 * old)
     return lambda: steps.assign(old)
+
+
+def with_steps_variable(contender, micro_batch):
+    """`contender` with `steps` held in a variable: `AdaptiveSteps` from N
+    to 2N (no noise-scale feed, so it stays where the probe sets it)."""
+    make = contender.make_optimizer
+    return dataclasses.replace(
+        contender,
+        make_optimizer=lambda n: make(ka.AdaptiveSteps(n, 2 * n, micro_batch)),
+    )
 
 
 PROBES = {"learning_rate": _change_learning_rate, "steps": _change_steps}
