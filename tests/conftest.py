@@ -32,6 +32,15 @@ def mirrored_strategy():
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
+def micro_steps(trainer, dataset, count):
+    """Feeds the first `count` batches of `dataset` to `trainer.micro_step`,
+    one global micro-batch per call (a fresh iterator: the trainer's data
+    counters, not the iterator, carry the position across a restore)."""
+    iterator = iter(trainer.distribute(dataset))
+    for _ in range(count):
+        trainer.micro_step(iterator)
+
+
 # A worker script run as a subprocess, not a test module (doctest collection
 # would import it and run its argument parser).
 collect_ignore = ["_train_job.py"]

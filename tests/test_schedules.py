@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import references
 import tensorflow as tf
-from conftest import mirrored_strategy
+from conftest import micro_steps, mirrored_strategy
 from test_fit_and_saving import X, Y, build_model
 
 import keras_accum as ka
@@ -392,23 +392,18 @@ def test_custom_loop_resumes_mid_window_across_a_switch(tmp_path):
             )
             return training.Trainer(model, opt, "mse", strategy=strategy)
 
-    def micro_steps(trainer, count):
-        iterator = iter(trainer.distribute(dataset))
-        for _ in range(count):
-            trainer.micro_step(iterator)
-
     uninterrupted = fresh()
-    micro_steps(uninterrupted, 12)
+    micro_steps(uninterrupted, dataset, 12)
     assert int(uninterrupted.optimizer.iterations.numpy()) == 4
     with pytest.raises(ValueError, match="schedule.*micro_step"):
         uninterrupted.train_step(iter(uninterrupted.distribute(dataset)))
     for saved_at in (5,):
         first = fresh()
-        micro_steps(first, saved_at)
+        micro_steps(first, dataset, saved_at)
         first.save(str(tmp_path / str(saved_at)))
         resumed = fresh()
         assert resumed.restore(str(tmp_path / str(saved_at)))
         assert int(resumed.optimizer.window_steps.numpy()) == (2 if saved_at == 3 else 4)
-        micro_steps(resumed, 12 - saved_at)
+        micro_steps(resumed, dataset, 12 - saved_at)
         for a, b in zip(resumed.model.get_weights(), uninterrupted.model.get_weights()):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

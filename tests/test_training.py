@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import mirrored_strategy
+from conftest import micro_steps, mirrored_strategy
 
 import keras_accum as ka
 from keras_accum import training
@@ -432,21 +432,16 @@ def test_mid_window_checkpoint_restores_accumulators(optimizer, tmp_path):
         model, opt = build(strategy, optimizer, steps=3)
         return training.Trainer(model, opt, "mse", strategy=strategy)
 
-    def micro_steps(trainer, count):
-        iterator = iter(trainer.distribute(dataset))
-        for _ in range(count):
-            trainer.micro_step(iterator)
-
     uninterrupted = fresh()
-    micro_steps(uninterrupted, 9)
+    micro_steps(uninterrupted, dataset, 9)
     first = fresh()
-    micro_steps(first, 4)
+    micro_steps(first, dataset, 4)
     assert int(first.optimizer.micro_step.numpy()) % 3 == 1
     first.save(str(tmp_path))
     resumed = fresh()
     assert resumed.restore(str(tmp_path))
     assert int(resumed.batches.numpy()) == 4
-    micro_steps(resumed, 5)
+    micro_steps(resumed, dataset, 5)
     assert int(resumed.optimizer.iterations.numpy()) == 3
     assert_close(resumed.model.get_weights(), uninterrupted.model.get_weights())
     # And the numpy reference. Micro-step j holds items 4j..4j+3, 2 per

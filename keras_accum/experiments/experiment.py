@@ -38,6 +38,7 @@ import tensorflow as tf
 import keras_accum as ka
 from keras_accum import diagnostics, training
 from keras_accum.experiments import data, models, optimizers, run_config
+from keras_accum.experiments.callbacks import AccumulationLogger, CSVLogger, SplitLabels
 from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config API)
     DEFAULTS,
     SCHEMA,
@@ -108,45 +109,6 @@ def training_stream(config, global_micro_batch, start_batch, held_out=0):
     stream = tf.data.Dataset.range(1).flat_map(passes)
     stream = stream.batch(global_micro_batch, drop_remainder=True)
     return stream.skip(start_batch).prefetch(tf.data.AUTOTUNE)
-
-
-class SplitLabels(keras.callbacks.Callback):
-    """Names the per-epoch evaluation after the split it ran on.
-
-    Keras calls it `val_*` whatever it is; when the watched split is the
-    test split, the logs (and metrics.csv) say `test_*` instead.
-    """
-
-    def __init__(self, split):
-        super().__init__()
-        self.split = split
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.split == "test":
-            for key in [k for k in logs if k.startswith("val_")]:
-                logs["test_" + key[4:]] = logs.pop(key)
-
-
-class CSVLogger(keras.callbacks.CSVLogger):
-    """Keras's CSVLogger without the empty `val_*` columns it invents when
-    the first epoch's logs hold none (here the test split is `test_*`)."""
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.keys is None:
-            self.keys = sorted(logs or {})
-        super().on_epoch_end(epoch, logs)
-
-
-class AccumulationLogger(keras.callbacks.Callback):
-    """Adds learning rate, update count and skipped micro-batches to logs."""
-
-    def on_epoch_end(self, epoch, logs=None):
-        optimizer = self.model.optimizer
-        while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            optimizer = optimizer.inner_optimizer
-        logs["learning_rate"] = float(np.asarray(optimizer.learning_rate))
-        logs["updates"] = int(np.asarray(optimizer.iterations))
-        logs["skipped_micro_batches"] = int(np.asarray(optimizer.skipped_micro_batches))
 
 
 def latest_checkpoint(workdir):
