@@ -28,6 +28,8 @@ parser.add_argument("--replicas", type=int, default=1)
 parser.add_argument("--checkpoint_every", type=int, default=2)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--collective_timeout", type=float, default=None)
+# Seconds of Python work (as tracing a big step) before the model is built.
+parser.add_argument("--busy", type=float, default=0.0)
 flags = parser.parse_args()
 
 import tensorflow as tf  # noqa: E402
@@ -69,6 +71,9 @@ def slow_down(logs):
 
 
 def run():
+    busy_until = time.monotonic() + flags.busy
+    while time.monotonic() < busy_until:
+        time.sleep(0.01)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

@@ -14,14 +14,15 @@ PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.e
 # The peer watch (multi-worker runs of `strategy_from_environment`): every
 # PROBE_INTERVAL s each other worker is asked for its status (a GetStatus RPC
 # to its TF server, answered by C++ threads whatever its Python does). A
-# worker is lost after 2 refused probes in a row (a dead process: about
-# 1-2 s) or 3 timed out ones (PROBE_TIMEOUT s each: a machine that froze or
-# vanished, about 10 s). A healthy worker must answer within PROBE_TIMEOUT
-# once in three tries, however busy: a long step, checkpoint or evaluation
-# is no problem, a process stopped for more than ~10 s is lost.
+# worker is lost after 2 refused probes in a row (its process died: about
+# 1 s) or 3 that timed out (PROBE_TIMEOUT s each: its machine froze or
+# vanished, about 7.5 s). So a healthy worker may be as busy as it likes (a
+# long step, checkpoint or evaluation), but one stopped for 7.5 s or more
+# (SIGSTOP, a debugger, swapping) counts as lost. Once lost, the error is
+# raised RAISE_AFTER s later in a main thread that did not meet a failed
+# collective by itself (it was tracing, building the model, writing).
 PROBE_INTERVAL = 0.5
-PROBE_TIMEOUT = 3.0
-# Seconds from a lost worker to the error raised in a busy main thread.
+PROBE_TIMEOUT = 2.0
 RAISE_AFTER = 1.0
 
 
@@ -77,6 +78,8 @@ class peer_errors:  # noqa: N801 (a context manager, used like a function)
                 _Watched.hints.pop()
                 if _Watched.watch is not None and not _Watched.hints:
                     _Watched.watch.disarm()
+        if type(error) is _PeerLost:  # From the watch: show it as what it is.
+            raise WorkerLostError(str(error)).with_traceback(traceback) from None
         watch = _Watched.watch
         lost = watch is not None and watch.lost
         if isinstance(error, WorkerLostError) or not (
