@@ -6,8 +6,14 @@ checkpoint writes, resume it to completion, compare with an uninterrupted run.
 
 Paths: `fit` (model.fit, one device), `loop` (the custom loop of
 keras_accum.training: --strategy multi_worker without TF_CONFIG, one
-process) and `mirrored` (model.fit under MirroredStrategy on 2 logical
-CPUs). Each trial starts a run, kills it (a random moment, or the hook
+process), `mirrored` (model.fit under MirroredStrategy on 2 logical
+CPUs) and `peer` (--strategy multi_worker as 2 local workers; workers 0
+and 1 take turns as the one killed, at a random moment after the cluster
+formed, `--early_kills` of them within 2 s of it, or in a checkpoint
+write; the drill times the other worker's lost-peer error line and
+checks it names the resume command, exit status 3).
+
+Each trial starts a run, kills it (a random moment, or the hook
 `KERAS_ACCUM_CHECKPOINT_HOOK=kill:<n>` that truncates the n-th checkpoint's
 temporary file and SIGKILLs the process inside the write), then runs
 `--resume` until it finishes. It then compares, bit for bit, the final
@@ -42,6 +48,7 @@ flags.DEFINE_string("workdir", None, "Drill folder (default: a new temporary one
 flags.DEFINE_string("data_dir", None, "TFDS data_dir (default: <workdir>/data).")
 flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
 flags.DEFINE_float("timeout", 600, "Seconds allowed per launch.")
+flags.DEFINE_integer("early_kills", 2, "peer: trials killed within 2 s of the cluster forming.")
 
 # Run scripts/train.py with op determinism on and, for `mirrored`, 2
 # logical CPUs (set before TensorFlow starts, hence this bootstrap).
@@ -60,7 +67,10 @@ PATHS = {
     "fit": (["--strategy", "default"], 1),
     "loop": (["--strategy", "multi_worker"], 1),
     "mirrored": (["--strategy", "mirrored"], 2),
+    "peer": (["--strategy", "multi_worker"], 1),
 }
+# TF's log line (worker 1) when the cluster has formed.
+FORMED = "Coordination agent has successfully connected"
 NOT_COMPARED = ("time", "examples_per_second")
 
 
@@ -74,6 +84,34 @@ def launch(path, args, hook=None):
     return subprocess.Popen(
         command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+
+def launch_peer(args, log_dir, hook=None, victim=None):
+    """The 2 workers of a `peer` run (TF's INFO log on, to see the cluster
+    form); `hook` goes to worker `victim` only. Returns the started cluster."""
+    from keras_accum.training import multiworker
+
+    env = dict(PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="0", KILL_DRILL_CPUS="1")
+    command = [sys.executable, "-c", BOOT, str(ROOT / "scripts" / "train.py"), *args]
+    worker_env = {victim: {"KERAS_ACCUM_CHECKPOINT_HOOK": hook}} if hook else None
+    os.environ.pop("KERAS_ACCUM_CHECKPOINT_HOOK", None)
+    cluster = multiworker.LocalCluster(
+        2, command, env=env, worker_env=worker_env, log_dir=str(log_dir), grace_seconds=120
+    )
+    return cluster.start()
+
+
+def finish_peer(cluster, timeout):
+    """(0 or the first failing exit code, the chief's log) of a cluster."""
+    from keras_accum.training import multiworker
+
+    try:
+        cluster.wait(timeout)
+        code = 0
+    except multiworker.WorkerFailedError:
+        code = next(p.returncode for p in cluster.processes if p.returncode)
+    cluster._kill_all()
+    return code, cluster.log(0)
 
 
 def run_args(path, workdir, data_dir, epochs, config):
@@ -91,12 +129,17 @@ def complete(path, workdir, args, timeout):
     """Resumes (or restarts, when killed before config.json) until the run
     exits 0; returns the resume messages seen."""
     messages = []
-    for _ in range(5):
+    for attempt in range(5):
         if (workdir / "config.json").exists():
-            code, out = finish(launch(path, ["--workdir", str(workdir), "--resume"]), timeout)
+            argv = ["--workdir", str(workdir), "--resume"]
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-            code, out = finish(launch(path, args), timeout)
+            argv = args
+        if path == "peer":
+            logs = workdir.parent / f"{workdir.name}_logs" / f"resume_{attempt}"
+            code, out = finish_peer(launch_peer(argv, logs), timeout)
+        else:
+            code, out = finish(launch(path, argv), timeout)
         messages += [line for line in out.splitlines() if "Resuming from" in line]
         messages += [line for line in out.splitlines() if "Skipped" in line]
         if code == 0:
@@ -197,7 +240,10 @@ def prepare(config, data_dir):
 def trial(path, kind, index, root, data_dir, epochs, config, rng, duration, timeout):
     workdir = root / path / f"{kind}_{index}"
     args = run_args(path, workdir, data_dir, epochs, config)
-    if kind == "write" or isinstance(kind, int):
+    extra = {}
+    if path == "peer":
+        what, extra = peer_trial(kind, index, workdir, args, rng, duration, epochs, timeout)
+    elif kind == "write" or isinstance(kind, int):
         # The hook kills the process inside its n-th atomic write (n random
         # unless given): the loop writes config.json then a checkpoint per
         # epoch, the fit paths a checkpoint per epoch.
@@ -215,10 +261,84 @@ def trial(path, kind, index, root, data_dir, epochs, config, rng, duration, time
         process.communicate()
         what = f"SIGKILL at {delay:.1f} s"
     messages = complete(path, workdir, args, timeout)
-    return what, messages, compare(root / path / "reference", workdir)
+    return what, messages, {**compare(root / path / "reference", workdir), **extra}
 
 
-def drill(paths, random_kills, write_kills, epochs, config, root, data_dir, seed, timeout):
+def wait_for(cluster, index, text, timeout):
+    """Seconds until `text` is in worker `index`'s log, polled every 20 ms
+    (None when the worker exits first or `timeout` passes)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if text in cluster.log(index):
+            return time.monotonic() - start
+        if cluster.processes[index].poll() is not None:
+            return None
+        time.sleep(0.02)
+    return None
+
+
+def error_line(log):
+    lines = [line for line in log.replace("\r", "\n").splitlines() if line.startswith("error:")]
+    return lines[0] if lines else None
+
+
+def peer_kill(cluster, victim, kind, hook, rng, span, timeout):
+    """Kills worker `victim` (or lets the hook do it); returns a description
+    of the kill, and the survivor's time to its error line (None: none)."""
+    survivor = 1 - victim
+    wait_for(cluster, 1, FORMED, timeout)
+    if hook:
+        while cluster.processes[victim].poll() is None:
+            if cluster.processes[survivor].poll() is not None:
+                return f"{hook} on worker {victim} (did not fire)", None
+            time.sleep(0.02)
+        what = f"{hook} on worker {victim}"
+    else:
+        delay = rng.uniform(0, 2) if kind == "early" else rng.uniform(0, 0.9 * span)
+        time.sleep(delay)
+        if cluster.processes[victim].poll() is not None:
+            return f"worker {victim} ended before its kill", None
+        cluster.kill(victim)
+        what = f"worker {victim} SIGKILL {delay:.1f} s after the cluster formed"
+    killed = time.monotonic()
+    while error_line(cluster.log(survivor)) is None and time.monotonic() - killed < 120:
+        if (
+            cluster.processes[survivor].poll() is not None
+            and error_line(cluster.log(survivor)) is None
+        ):
+            break
+        time.sleep(0.02)
+    seconds = time.monotonic() - killed if error_line(cluster.log(survivor)) else None
+    return what, seconds
+
+
+def peer_trial(kind, index, workdir, args, rng, span, epochs, timeout):
+    """A `peer` trial: returns (kill description, its lost-peer result)."""
+    victim = index % 2
+    hook = f"kill:{rng.randint(1, epochs + 1)}" if kind == "write" else None
+    log_dir = workdir.parent / f"{workdir.name}_logs" / "killed"
+    cluster = launch_peer(args, log_dir, hook=hook, victim=victim)
+    try:
+        what, seconds = peer_kill(cluster, victim, kind, hook, rng, span, timeout)
+        survivor = cluster.processes[1 - victim]
+        code = survivor.wait(timeout=120) if seconds is not None else survivor.poll()
+        line = error_line(cluster.log(1 - victim)) or ""
+    finally:
+        cluster._kill_all()
+    hint = f"To resume: python scripts/train.py --workdir {workdir} --resume"
+    if seconds is None:
+        return what, {"error_seconds": None, "lost_peer": False}
+    # scripts/train.py prints WorkerLostError as this one line, exit 3.
+    ours = line.startswith("error: A collective failed: another worker") and hint in line
+    return f"{what}; worker {1 - victim}: error after {seconds:.1f} s, exit {code}", {
+        "error_seconds": seconds,
+        "lost_peer": ours and code == 3,
+    }
+
+
+def drill(
+    paths, random_kills, write_kills, epochs, config, root, data_dir, seed, timeout, early_kills=0
+):
     """Runs the drill; returns the table rows (dicts). `write_kills` is a
     count of random write kills or a list of write numbers to kill in."""
     rng = random.Random(seed)
@@ -228,13 +348,19 @@ def drill(paths, random_kills, write_kills, epochs, config, root, data_dir, seed
         reference = root / path / "reference"
         shutil.rmtree(reference, ignore_errors=True)
         start = time.monotonic()
-        code, out = finish(
-            launch(path, run_args(path, reference, data_dir, epochs, config)), timeout
-        )
+        args = run_args(path, reference, data_dir, epochs, config)
+        if path == "peer":
+            cluster = launch_peer(args, root / path / "reference_logs")
+            formed = wait_for(cluster, 1, FORMED, timeout) or 0.0
+            code, out = finish_peer(cluster, timeout)
+            # Kill times are drawn from the part after the cluster formed.
+            duration = time.monotonic() - start - formed
+        else:
+            code, out = finish(launch(path, args), timeout)
+            duration = time.monotonic() - start
         if code:
             raise RuntimeError(f"{path}: the reference run failed:\n{out[-3000:]}")
-        duration = time.monotonic() - start
-        kinds = ["random"] * random_kills
+        kinds = ["early"] * early_kills * (path == "peer") + ["random"] * random_kills
         kinds += list(write_kills) if isinstance(write_kills, list) else ["write"] * write_kills
         for index, kind in enumerate(kinds):
             what, messages, result = trial(
@@ -250,6 +376,8 @@ def format_row(row):
         f"{k}={'exact' if row[k] else 'DIFFERS'}"
         for k in ("weights+optimizer", "metrics.csv", "tensorboard", "log.jsonl")
     )
+    if "lost_peer" in row:
+        marks += f"  lost-peer error={'ok' if row['lost_peer'] else 'WRONG'}"
     return f"{row['path']:9s} {row['kill']:28s} resumes={row['resumed']}  {marks}"
 
 
@@ -271,6 +399,7 @@ def main(argv):
         data_dir,
         FLAGS.seed,
         FLAGS.timeout,
+        FLAGS.early_kills,
     )
     print("\npath      trials  weights+optimizer  metrics.csv  tensorboard  log.jsonl")
     for path in FLAGS.paths:
@@ -281,6 +410,14 @@ def main(argv):
         ]
         print(f"{path:9s} {len(mine):6d}  {counts[0]:17s}  {counts[1]:11s}  "
               f"{counts[2]:11s}  {counts[3]}")  # fmt: skip
+    timed = [r for r in rows if "lost_peer" in r]
+    if timed:
+        seconds = sorted(r["error_seconds"] for r in timed if r["error_seconds"] is not None)
+        good = sum(r["lost_peer"] for r in timed)
+        times = ", ".join(f"{t:.1f}" for t in seconds)
+        print(f"peer: lost-peer error line {good}/{len(timed)}, seconds after the kill: {times}")
+    if not all(r.get("lost_peer", True) for r in rows):
+        sys.exit(1)
     if not all(all(r[k] for k in ("weights+optimizer", "metrics.csv")) for r in rows):
         sys.exit(1)
 

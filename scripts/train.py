@@ -12,6 +12,7 @@ one line `error: ...` naming it and the accepted values, exit status 2
 (flags) or 1 (config, data, run folder).
 """
 
+import contextlib
 import os
 import pathlib
 import sys
@@ -85,7 +86,7 @@ def main(argv):
         print(usage(fv))
         return 0
     from keras_accum.experiments import experiment
-    from keras_accum.training import WorkerLostError
+    from keras_accum.training import WorkerLostError, distribute
 
     try:
         parse(fv, argv)
@@ -93,7 +94,15 @@ def main(argv):
         workdir = fv.workdir or os.path.join(
             "runs", f"{pathlib.Path(fv.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
-        final = experiment.train_and_evaluate(config, workdir, resume=fv.resume)
+        # Multi-worker: a worker lost at any moment (also while the model is
+        # built) is a WorkerLostError with the command that resumes.
+        lost_peer = contextlib.nullcontext()
+        if distribute.multi_worker_environment():
+            lost_peer = distribute.peer_errors(
+                f"python scripts/train.py --workdir {workdir} --resume"
+            )
+        with lost_peer:
+            final = experiment.train_and_evaluate(config, workdir, resume=fv.resume)
     except flags.Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

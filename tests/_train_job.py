@@ -28,6 +28,8 @@ parser.add_argument("--replicas", type=int, default=1)
 parser.add_argument("--checkpoint_every", type=int, default=2)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--collective_timeout", type=float, default=None)
+# Seconds of Python work (as tracing a big step) before the model is built.
+parser.add_argument("--busy", type=float, default=0.0)
 flags = parser.parse_args()
 
 import tensorflow as tf  # noqa: E402
@@ -47,6 +49,7 @@ from keras_accum import training  # noqa: E402
 
 if "TF_CONFIG" in os.environ:
     strategy = training.strategy_from_environment(flags.collective_timeout)
+    print("cluster formed", flush=True)
 elif flags.replicas > 1:
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(flags.replicas)])
 else:
@@ -61,36 +64,50 @@ dataset = (
     .batch(flags.batch)
 )
 
-with strategy.scope():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    optimizer = {
-        "ga_adam": lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.05), steps=flags.steps),
-        "ga_sgd": lambda: ka.GradientAccumulation(keras.optimizers.SGD(0.05), steps=flags.steps),
-        "invariant": lambda: ka.InvariantAdam(0.05, steps=flags.steps),
-        "update": lambda: ka.UpdateAccumulationAdam(0.05, steps=flags.steps),
-    }[flags.optimizer]()
-
 
 def slow_down(logs):
     print(f"window {int(logs['batches'])}", flush=True)
     time.sleep(flags.sleep)
 
 
-training.train(
-    model,
-    optimizer,
-    "mse",
-    dataset,
-    epochs=flags.epochs,
-    strategy=strategy,
-    workdir=flags.workdir,
-    checkpoint_every=flags.checkpoint_every,
-    callbacks=[slow_down],
-    verbose=0,
-    resume_hint=f"the same command (continues from {flags.workdir})",
-)
-if training.is_chief(strategy):
-    np.savez(os.path.join(flags.workdir, "final.npz"), *model.get_weights())
+def run():
+    busy_until = time.monotonic() + flags.busy
+    while time.monotonic() < busy_until:
+        time.sleep(0.01)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        optimizer = {
+            "ga_adam": lambda: ka.GradientAccumulation(
+                keras.optimizers.Adam(0.05), steps=flags.steps
+            ),
+            "ga_sgd": lambda: ka.GradientAccumulation(
+                keras.optimizers.SGD(0.05), steps=flags.steps
+            ),
+            "invariant": lambda: ka.InvariantAdam(0.05, steps=flags.steps),
+            "update": lambda: ka.UpdateAccumulationAdam(0.05, steps=flags.steps),
+        }[flags.optimizer]()
+
+    training.train(
+        model,
+        optimizer,
+        "mse",
+        dataset,
+        epochs=flags.epochs,
+        strategy=strategy,
+        workdir=flags.workdir,
+        checkpoint_every=flags.checkpoint_every,
+        callbacks=[slow_down],
+        verbose=0,
+        resume_hint=f"the same command (continues from {flags.workdir})",
+    )
+    if training.is_chief(strategy):
+        np.savez(os.path.join(flags.workdir, "final.npz"), *model.get_weights())
+
+
+# As in scripts/train.py: a worker lost at any moment (also while the model
+# is built) is a WorkerLostError with the resume hint.
+with training.distribute.peer_errors(f"the same command (continues from {flags.workdir})"):
+    run()
 print("done", flush=True)
 sys.exit(0)

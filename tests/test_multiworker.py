@@ -97,6 +97,58 @@ def test_killed_worker_stops_the_survivor(tmp_path):
             cluster.wait(timeout=10)
 
 
+def _seconds_to_worker_lost(cluster, survivor, killed_at, limit=60):
+    """Seconds from `killed_at` until the survivor's log shows the
+    WorkerLostError (polled every 50 ms), or None after `limit` s."""
+    while time.monotonic() - killed_at < limit:
+        if "WorkerLostError: " in cluster.log(survivor):
+            return time.monotonic() - killed_at
+        if cluster.processes[survivor].poll() is not None:
+            return (
+                time.monotonic() - killed_at
+                if "WorkerLostError: " in cluster.log(survivor)
+                else None
+            )
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_worker_lost_early_stops_the_other_within_10_s(tmp_path, victim):
+    # The issue's bound: a worker SIGKILLed as soon as the cluster has
+    # formed stops the other one with WorkerLostError and the resume hint
+    # within 10 s, on either side (worker 0 hosts TF's coordination
+    # service). The other one is then in 15 s of Python work with no
+    # collective (as when tracing a big first step, which took 10.6-20 s to
+    # end before the peer watch): only the watch can stop it in time. A
+    # correctness bound with a wide margin (about 2 s measured on a loaded
+    # 2-core machine), not a speed claim.
+    cluster = multiworker.LocalCluster(
+        2,
+        JOB + ["--workdir", str(tmp_path / "run"), "--epochs", "3", "--busy", "15"],
+        env=ENV,
+        log_dir=str(tmp_path / "logs"),
+        grace_seconds=120,
+    )
+    survivor = 1 - victim
+    with cluster:
+        deadline = time.monotonic() + 180
+        while "cluster formed" not in cluster.log(victim):
+            assert all(p.poll() is None for p in cluster.processes), cluster.log(0) + cluster.log(1)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cluster.kill(victim, signal.SIGKILL)
+        seconds = _seconds_to_worker_lost(cluster, survivor, time.monotonic())
+        log = cluster.log(survivor)
+        assert seconds is not None, log[-3000:]
+        print(f"worker {victim} killed: WorkerLostError on worker {survivor} after {seconds:.2f} s")
+        assert seconds <= 10, (seconds, log[-3000:])
+        assert cluster.processes[survivor].wait(timeout=60) != 0
+        last = cluster.log(survivor).rstrip().splitlines()[-1]
+        assert last.startswith("keras_accum.training.distribute.WorkerLostError: "), last
+        assert "To resume: the same command" in last
+
+
 def test_launcher_kills_the_rest_after_a_failure(tmp_path):
     # A worker that fails while the other one would run on: the launcher
     # kills the other after grace_seconds and raises.

@@ -1,51 +1,225 @@
 """Distribution helpers: the strategy of this process, the chief, data
 sharding for multi-worker input, and the error a lost peer raises."""
 
-import contextlib
+import ctypes
 import json
 import os
+import threading
+import time
 
 import tensorflow as tf
 
 PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
+
+# The peer watch (multi-worker runs of `strategy_from_environment`): every
+# PROBE_INTERVAL s each other worker is asked for its status (a GetStatus RPC
+# to its TF server, answered by C++ threads whatever its Python does). A
+# worker is lost after 2 refused probes in a row (its process died: about
+# 1 s) or 3 that timed out (PROBE_TIMEOUT s each: its machine froze or
+# vanished, about 7.5 s). So a healthy worker may be as busy as it likes (a
+# long step, checkpoint or evaluation), but one stopped for 7.5 s or more
+# (SIGSTOP, a debugger, swapping) counts as lost. Once lost, the error is
+# raised RAISE_AFTER s later in a main thread that did not meet a failed
+# collective by itself (it was tracing, building the model, writing).
+PROBE_INTERVAL = 0.5
+PROBE_TIMEOUT = 2.0
+RAISE_AFTER = 1.0
 
 
 class WorkerLostError(RuntimeError):
     """A collective failed: a peer worker died, hung or timed out."""
 
 
-@contextlib.contextmanager
-def peer_errors(resume_hint=None):
-    """Turns a failed collective (a lost peer) into `WorkerLostError`, whose
-    message ends with `resume_hint` (how to resume) when given."""
-    try:
-        yield
-    except PEER_ERRORS as error:
-        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        hint = f" To resume: {resume_hint}" if resume_hint else ""
-        raise WorkerLostError(
-            "A collective failed: another worker died, hung or timed out "
-            f"(see its log). This worker stops too.{hint} Cause: {cause}"
-        ) from error
+class _Watched:
+    """The open `peer_errors` scopes of this process (their resume hints),
+    and the watch that guards them (when `strategy_from_environment` made
+    a multi-worker strategy)."""
+
+    lock = threading.Lock()
+    hints: list = []
+    watch = None
+
+
+def _lost_message(cause, hint):
+    hint = f" To resume: {hint}" if hint else ""
+    return (
+        "A collective failed: another worker died, hung or timed out "
+        f"(see its log). This worker stops too.{hint} Cause: {cause}"
+    )
+
+
+class peer_errors:  # noqa: N801 (a context manager, used like a function)
+    """Turns a lost peer into `WorkerLostError`, whose message ends with
+    `resume_hint` (how to resume) when given.
+
+    A failed collective (`PEER_ERRORS`) becomes one. Under the peer watch of
+    `strategy_from_environment`, a lost worker also interrupts this worker
+    wherever it is inside the scope (tracing, a checkpoint, Python code),
+    and the outermost scope ends with one collective that all workers pass
+    together, so a worker that finished is never mistaken for a lost one.
+    """
+
+    def __init__(self, resume_hint: str | None = None):
+        self.resume_hint = resume_hint
+
+    def __enter__(self):
+        with _Watched.lock:
+            _Watched.hints.append(self.resume_hint)
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        try:
+            if error is None and _Watched.watch is not None and len(_Watched.hints) == 1:
+                _Watched.watch.all_done()
+        except PEER_ERRORS as failure:
+            error = failure
+        finally:
+            with _Watched.lock:
+                _Watched.hints.pop()
+                if _Watched.watch is not None and not _Watched.hints:
+                    _Watched.watch.disarm()
+        if type(error) is _PeerLost:  # From the watch: show it as what it is.
+            raise WorkerLostError(str(error)).with_traceback(traceback) from None
+        watch = _Watched.watch
+        lost = watch is not None and watch.lost
+        if isinstance(error, WorkerLostError) or not (
+            isinstance(error, PEER_ERRORS) or (lost and isinstance(error, Exception))
+        ):
+            return False
+        # Once the watch lost a worker, whatever fails here is a consequence
+        # (e.g. the watch's error met a collective's in TF's C++ layer).
+        message = lost or str(error).strip()
+        cause = message.splitlines()[0] if message else type(error).__name__
+        raise WorkerLostError(_lost_message(cause, self.resume_hint)) from error
+
+
+class _PeerLost(WorkerLostError):
+    """What the watch raises in the main thread (it can pass no arguments)."""
+
+    message = ""
+
+    def __init__(self, *args):
+        super().__init__(*(args or (self.message,)))
+
+
+class _PeerWatch:
+    """A daemon thread probing the other workers (see PROBE_INTERVAL); when
+    one is lost it aborts this worker's collectives and, inside a
+    `peer_errors` scope, raises `WorkerLostError` in the main thread."""
+
+    def __init__(self, strategy, peers):
+        self.strategy, self.peers = strategy, list(peers)
+        self.lost, self.raised_at = None, None
+        threading.Thread(target=self._run, name="keras_accum_peer_watch", daemon=True).start()
+
+    def _run(self):
+        from tensorflow.python.eager import context
+
+        failures = dict.fromkeys(self.peers, 0)
+        while self.lost is None:
+            time.sleep(PROBE_INTERVAL)
+            if not _Watched.hints:
+                failures = dict.fromkeys(self.peers, 0)
+                continue
+            for peer in self.peers:
+                try:
+                    context.context().check_collective_ops_peer_health(
+                        peer, timeout_in_ms=int(PROBE_TIMEOUT * 1000)
+                    )
+                    failures[peer] = 0
+                except (tf.errors.UnavailableError, tf.errors.FailedPreconditionError) as e:
+                    failures[peer] += 3
+                    error = e
+                except tf.errors.DeadlineExceededError as e:
+                    failures[peer] += 2
+                    error = e
+                if failures[peer] >= 6:  # 2 refused or 3 timed-out probes in a row
+                    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                    self.lost = f"{peer} is lost ({type(error).__name__}: {first})"
+                    context.context().abort_collective_ops(tf.errors.UNAVAILABLE, self.lost)
+                    break
+        # A main thread in a collective raises by itself at once; one in
+        # other work (tracing, a checkpoint, Python) gets the error raised
+        # there, again if something swallowed it.
+        time.sleep(RAISE_AFTER)
+        while True:
+            with _Watched.lock:
+                if not _Watched.hints:
+                    return
+                if self.raised_at is None or time.monotonic() - self.raised_at > 5:
+                    hint = next((h for h in _Watched.hints if h), None)
+                    _PeerLost.message = _lost_message(self.lost, hint)
+                    _set_async_exc(_PeerLost)
+                    self.raised_at = time.monotonic()
+            time.sleep(0.2)
+
+    def disarm(self):
+        """Drops a WorkerLostError not yet raised in the main thread (the
+        caller holds `_Watched.lock` and leaves the last scope)."""
+        if self.raised_at is not None:
+            _set_async_exc(None)
+
+    def all_done(self):
+        """One all-reduce that every worker passes together."""
+        strategy = self.strategy
+
+        @tf.function
+        def all_reduce_one():
+            return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+        all_reduce_one()
+
+
+def _set_async_exc(exception):
+    """Raises `exception` (a class; None cancels) in the main thread at its
+    next Python instruction."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(threading.main_thread().ident),
+        ctypes.py_object(exception) if exception is not None else None,
+    )
+
+
+def _peers(cluster, task):
+    """TF task names of every task of `cluster` but `task`."""
+    own = (task.get("type"), int(task.get("index", 0)))
+    return [
+        f"/job:{job}/replica:0/task:{i}"
+        for job in ("chief", "worker")
+        for i in range(len(cluster.get(job, ())))
+        if (job, i) != own
+    ]
+
+
+def multi_worker_environment() -> bool:
+    """True when TF_CONFIG names more than one chief or worker task."""
+    cluster = json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {})
+    return sum(len(cluster.get(k, ())) for k in ("chief", "worker")) > 1
 
 
 def strategy_from_environment(collective_timeout: float | None = None) -> tf.distribute.Strategy:
     """The strategy this process should use.
 
     `MultiWorkerMirroredStrategy` when TF_CONFIG names more than one task,
-    `MirroredStrategy` on several GPUs, else the default strategy. TF's
-    coordination service already aborts collectives a few seconds after a
-    peer process dies (missed heartbeats); `collective_timeout` (seconds)
-    also bounds each collective, which catches a peer that hangs while alive
-    (TF spends one thread per collective on it, so keep it for debugging or
-    set it well above the slowest step, checkpoint and evaluation).
+    `MirroredStrategy` on several GPUs, else the default strategy.
+
+    Multi-worker: a thread watches the other workers (see PROBE_INTERVAL)
+    and, inside `peer_errors` (as in `train`), a lost worker stops this one
+    with `WorkerLostError` within a few seconds, wherever it is. TF's own
+    coordination service also aborts collectives once a worker misses its
+    heartbeats (10 s). `collective_timeout` (seconds) also bounds each
+    collective, which catches a peer that hangs while alive (TF spends one
+    thread per collective on it, so keep it for debugging or set it well
+    above the slowest step, checkpoint and evaluation).
     """
-    cluster = json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {})
-    if sum(len(cluster.get(k, ())) for k in ("chief", "worker")) > 1:
+    if multi_worker_environment():
+        config = json.loads(os.environ["TF_CONFIG"])
+        cluster = config["cluster"]
         options = tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=collective_timeout
         )
-        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        _Watched.watch = _PeerWatch(strategy, _peers(cluster, config.get("task", {})))
+        return strategy
     if len(tf.config.list_logical_devices("GPU")) > 1:
         return tf.distribute.MirroredStrategy()
     return tf.distribute.get_strategy()

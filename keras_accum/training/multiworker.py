@@ -10,12 +10,13 @@ local ports (worker 0 is the chief), and returns when all have exited. In the
 command, `keras_accum.training.strategy_from_environment()` then gives a
 `MultiWorkerMirroredStrategy`.
 
-A worker that dies must not leave the others hanging in a collective. Two
-mechanisms bound that: TF's coordination service aborts the collectives of
-the survivors a few seconds after a peer stops sending heartbeats (they then
-raise `keras_accum.training.WorkerLostError`), and the launcher kills any
-worker still running `grace_seconds` after another one failed, then raises
-`WorkerFailedError` naming the first failure.
+A worker that dies must not leave the others hanging. Two mechanisms bound
+that: each worker watches the others (`strategy_from_environment`), and
+inside `keras_accum.training.distribute.peer_errors` (as in `train` and
+scripts/train.py) a lost worker stops the others with
+`keras_accum.training.WorkerLostError` within seconds; and the launcher
+kills any worker still running `grace_seconds` after another one failed,
+then raises `WorkerFailedError` naming the first failure.
 """
 
 import argparse
@@ -64,13 +65,17 @@ class LocalCluster:
         num_workers: number of processes (>= 1).
         argv: the command, e.g. `[sys.executable, "train.py", "--flag"]`.
         env: extra environment variables for every worker.
+        worker_env: {index: variables} for single workers (e.g. a test
+            hook for one of them).
         log_dir: where `worker_<i>.log` (stdout and stderr) go; default a new
             temporary directory.
         grace_seconds: how long the others may keep running after a worker
             failed before they are killed.
     """
 
-    def __init__(self, num_workers, argv, *, env=None, log_dir=None, grace_seconds=30.0):
+    def __init__(
+        self, num_workers, argv, *, env=None, worker_env=None, log_dir=None, grace_seconds=30.0
+    ):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(
                 f"`num_workers` must be an integer >= 1. Received: num_workers={num_workers!r}"
@@ -78,7 +83,7 @@ class LocalCluster:
         if not argv or isinstance(argv, str):
             raise ValueError(f"`argv` must be a non-empty list of strings. Received: argv={argv!r}")
         self.num_workers, self.argv = num_workers, list(argv)
-        self.env = dict(env or {})
+        self.env, self.worker_env = dict(env or {}), dict(worker_env or {})
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="keras_accum_workers")
         self.grace_seconds = grace_seconds
         self.processes = []
@@ -94,9 +99,8 @@ class LocalCluster:
         os.makedirs(self.log_dir, exist_ok=True)
         addresses = [f"127.0.0.1:{p}" for p in free_ports(self.num_workers)]
         for index in range(self.num_workers):
-            env = dict(
-                os.environ, **self.env, PYTHONUNBUFFERED="1", TF_CONFIG=tf_config(addresses, index)
-            )
+            env = dict(os.environ, **self.env, **self.worker_env.get(index, {}))
+            env.update(PYTHONUNBUFFERED="1", TF_CONFIG=tf_config(addresses, index))
             with open(self.log_path(index), "w") as log:
                 self.processes.append(
                     subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
