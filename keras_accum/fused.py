@@ -7,10 +7,11 @@ UpdateAccumulationAdam about a dozen. Each function here is that fold for
 ALL variables at once, written once and run either
 
 * inline, when the caller is already being compiled by XLA (it then fuses
-  into the caller's kernels), or
-* through `compiled(...)`, a `tf.function(jit_compile=True)` called from
-  the graph-mode step: one kernel launch per micro-batch that reads each
-  operand once and writes each state once.
+  into the caller's kernels) or executes eagerly (op by op), or
+* through `run(kernel, optimizer, ...)` in graph mode: a
+  `tf.function(jit_compile=True)` called from the graph-mode step, one
+  kernel launch per micro-batch that reads each operand once and writes
+  each state once.
 
 Variables are passed as resource handles (`variable.handle`): in replica
 context, or inside `tf.distribute.StrategyExtended.update`, the handle of a
@@ -18,6 +19,8 @@ distributed variable is the local replica's component, so the same kernel
 serves one device and MirroredStrategy. The scalars are float32 tensors,
 so one compiled kernel serves every value of the hyperparameters.
 """
+
+import weakref
 
 import tensorflow as tf
 
@@ -76,11 +79,18 @@ def adam_micro_step(grads, handles, scalars):
         _assign(a_handle, tf.where(start, step, _read(a_handle, dtype) + step))
 
 
-_COMPILED = {}
+# Per owner (an optimizer): its traces go when it goes.
+_COMPILED = weakref.WeakKeyDictionary()
 
 
-def compiled(kernel):
-    """`kernel` as one XLA-compiled `tf.function` (shared, built once)."""
-    if kernel not in _COMPILED:
-        _COMPILED[kernel] = tf.function(kernel, jit_compile=True, autograph=False)
-    return _COMPILED[kernel]
+def run(kernel, owner, *args):
+    """`kernel(*args)`: op by op when executing eagerly, else as one
+    XLA-compiled `tf.function` built once per `owner`. (Eager calls would
+    trace once per optimizer, and TensorFlow warns of retracing after five
+    traces of one Python function; graph-mode calls are not counted.)"""
+    if tf.executing_eagerly():
+        return kernel(*args)
+    kernels = _COMPILED.setdefault(owner, {})
+    if kernel not in kernels:
+        kernels[kernel] = tf.function(kernel, jit_compile=True, autograph=False)
+    return kernels[kernel](*args)

@@ -203,7 +203,7 @@ class InvariantAdam(AdamFamily):
         grads = self._clip_micro_batch(grads, replicas)
         handles = [(m.handle, v.handle) for m, v in moments]
         scalars = self._fold_scalars(replicas, start)
-        fused.compiled(fused.fold_moments)(grads, *zip(*handles), scalars, ok)
+        fused.run(fused.fold_moments, self, grads, *zip(*handles), scalars, ok)
 
     def _update(self, distribution, variables, window):
         learning_rate = self.learning_rate

@@ -156,7 +156,7 @@ class UpdateAccumulationAdam(AdamFamily):
         rates = [tf.constant(x, "float32") for x in (1 - self.beta_1, 1 - self.beta_2)]
         scalars = (alpha, start, *rates, tf.constant(self.epsilon, "float32"))
         # `grads` come from `_prepare`: cast, screened and clipped.
-        fused.compiled(fused.adam_micro_step)(grads, handles, scalars)
+        fused.run(fused.adam_micro_step, self, grads, handles, scalars)
 
     def _micro_update(self, variable, gradient, learning_rate, t, start, ok):
         """One variable's micro-step with TensorFlow ops: under XLA (masks,
