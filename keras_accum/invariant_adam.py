@@ -174,7 +174,7 @@ class InvariantAdam(AdamFamily):
         """Every micro-batch starts a window (`steps=1`): Keras Adam's own
         arithmetic, so that one replica is `keras.optimizers.Adam` bit for
         bit."""
-        steps, beta_1_rate, beta_2_rate = self._window_factors(replicas)
+        _, beta_1_rate, beta_2_rate = self._window_factors(replicas)
         for g, (m, v) in zip(grads, moments):
             # g_j**2 / kappa = g**2 * replicas (the replica factor undone)
             square_part = tf.square(g) if replicas == 1 else tf.square(g) * float(replicas)
@@ -189,16 +189,16 @@ class InvariantAdam(AdamFamily):
         micro-batch counts as a zero gradient inside it."""
         grads, ok = self._screen(grads, mask=False)
         if self._single_step():  # Keras Adam's ops, branching on the check
-            zeros = [tf.zeros((), g.dtype) for g in grads]
-            clipped = lambda: self._clip_micro_batch(grads, replicas)  # noqa: E731
+
+            def fold(skip=False):  # a skipped micro-batch: a zero gradient
+                zeros = [tf.zeros((), g.dtype) for g in grads]
+                clipped = zeros if skip else self._clip_micro_batch(grads, replicas)
+                self._fold_keras_form(clipped, moments, replicas)
+
             if ok is None:
-                self._fold_keras_form(clipped(), moments, replicas)
+                fold()
             else:
-                tf.cond(
-                    ok,
-                    lambda: self._fold_keras_form(clipped(), moments, replicas),
-                    lambda: self._fold_keras_form(zeros, moments, replicas),
-                )
+                tf.cond(ok, fold, lambda: fold(skip=True))
             return
         grads = self._clip_micro_batch(grads, replicas)
         handles = [(m.handle, v.handle) for m, v in moments]
