@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 from keras import saving
 
-from keras_accum import base, schedules
+from keras_accum import base, fused, schedules
 from keras_accum.adam_family import AdamFamily
 
 
@@ -152,58 +152,58 @@ class InvariantAdam(AdamFamily):
     def _fold_moments(self, grads, moments, replicas, first):
         """m += (1 - beta_1) (g_j / kappa - first m), v likewise with the
         squares; `first` is 1 at the window's first micro-batch, else 0
-        (a Python float when known while tracing, else a tensor)."""
+        (a Python float when known while tracing, else a tensor). Under XLA
+        (the caller's kernel) the fold is inlined; `_fold_graph` runs the
+        same arithmetic as one compiled kernel."""
+        if self._single_step():
+            self._fold_keras_form(grads, moments, replicas)
+            return
+        handles = [(m.handle, v.handle) for m, v in moments]
+        fused.fold_moments(grads, *zip(*handles), self._fold_scalars(replicas, first))
+
+    def _fold_scalars(self, replicas, first):
+        """(steps, replicas / steps, 1 - beta_1,k, 1 - beta_2,k, first) as
+        float32 scalars: g_j / kappa = g / steps and g_j**2 / kappa =
+        g**2 * replicas / steps (g = g_r / replicas: the replica factor is
+        undone before squaring)."""
         steps, beta_1_rate, beta_2_rate = self._window_factors(replicas)
+        values = (steps, replicas / steps, beta_1_rate, beta_2_rate, first)
+        return tuple(tf.cast(x, "float32") for x in values)
+
+    def _fold_keras_form(self, grads, moments, replicas):
+        """Every micro-batch starts a window (`steps=1`): Keras Adam's own
+        arithmetic, so that one replica is `keras.optimizers.Adam` bit for
+        bit."""
+        _, beta_1_rate, beta_2_rate = self._window_factors(replicas)
         for g, (m, v) in zip(grads, moments):
-            # Micro-batch j of the window contributes g_j / kappa to the
-            # mean gradient; with g = g_r / replicas that is g / steps.
-            mean_part = g if self._single_step() else g / _cast(steps, m.dtype)
-            # ... and g_j**2 / kappa = g**2 * replicas / steps to the mean
-            # squared gradient (the replica factor undone before squaring).
-            square_part = tf.square(g)
-            if not isinstance(steps, int) or replicas != steps:
-                square_part = square_part * _cast(replicas / steps, m.dtype)
-            # 1 - beta_i of this window (its kappa under `scaling_rule`)
+            # g_j**2 / kappa = g**2 * replicas (the replica factor undone)
+            square_part = tf.square(g) if replicas == 1 else tf.square(g) * float(replicas)
             b1, b2 = _cast(beta_1_rate, m.dtype), _cast(beta_2_rate, m.dtype)
-            if isinstance(first, float):  # Python 1.0 or 0.0: fewer ops.
-                if first:
-                    # m = beta_1 m + (1 - beta_1) g_j / kappa (Keras's form)
-                    self.assign_add(m, (mean_part - m) * b1)
-                    self.assign_add(v, (square_part - v) * b2)
-                else:
-                    # m += (1 - beta_1) g_j / kappa
-                    self.assign_add(m, mean_part * b1)
-                    self.assign_add(v, square_part * b2)
-            else:
-                # m += (1 - beta_1) (g_j / kappa - [window start] m)
-                self.assign_add(m, (mean_part - first * m) * b1)
-                self.assign_add(v, (square_part - first * v) * b2)
+            # m = beta_1 m + (1 - beta_1) g_j / kappa (Keras's form)
+            self.assign_add(m, (g - m) * b1)
+            self.assign_add(v, (square_part - v) * b2)
 
     def _fold_graph(self, grads, moments, replicas, start):
-        """`_fold` in graph mode: the same arithmetic (x - 0 m = x exactly),
-        with branches instead of masks (a `cond` is free there, a mask a
-        full pass)."""
+        """`_fold` in graph mode: one compiled kernel for every variable
+        (a TensorFlow op per term would be a full pass each); a skipped
+        micro-batch counts as a zero gradient inside it."""
         grads, ok = self._screen(grads, mask=False)
-        zeros = [tf.zeros((), g.dtype) for g in grads]
+        if self._single_step():  # Keras Adam's ops, branching on the check
 
-        def fold(first):
-            clipped = self._clip_micro_batch(grads, replicas)
-            self._fold_moments(clipped, moments, replicas, first)
+            def fold(skip=False):  # a skipped micro-batch: a zero gradient
+                zeros = [tf.zeros((), g.dtype) for g in grads]
+                clipped = zeros if skip else self._clip_micro_batch(grads, replicas)
+                self._fold_keras_form(clipped, moments, replicas)
 
-        def skip(first):  # a zero gradient: only the window-start decay
-            if first:
-                self._fold_moments(zeros, moments, replicas, first)
-
-        def either(first):
             if ok is None:
-                fold(first)
+                fold()
             else:
-                tf.cond(ok, lambda: fold(first), lambda: skip(first))
-
-        if self._single_step():
-            either(1.0)
-        else:
-            tf.cond(start, lambda: either(1.0), lambda: either(0.0))
+                tf.cond(ok, fold, lambda: fold(skip=True))
+            return
+        grads = self._clip_micro_batch(grads, replicas)
+        handles = [(m.handle, v.handle) for m, v in moments]
+        scalars = self._fold_scalars(replicas, start)
+        fused.run(fused.fold_moments, self, grads, *zip(*handles), scalars, ok)
 
     def _update(self, distribution, variables, window):
         learning_rate = self.learning_rate

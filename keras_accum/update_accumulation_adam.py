@@ -5,7 +5,7 @@ from typing import Any
 import tensorflow as tf
 from keras import saving
 
-from keras_accum import base, schedules
+from keras_accum import base, fused, schedules
 from keras_accum.adam_family import AdamFamily
 
 
@@ -93,11 +93,18 @@ class UpdateAccumulationAdam(AdamFamily):
         learning_rate = self.learning_rate
 
         def step(keep):
+            if graph and self._updates is not None and keep is None:
+                # Graph mode: one compiled kernel per replica for every
+                # variable (TensorFlow ops would be a full pass per term).
+                distribution.extended.call_for_each_replica(
+                    self._fused_micro_step, args=(reduced, variables, learning_rate, t, start)
+                )
+                return
             for g, var in zip(reduced, variables):
                 distribution.extended.update(
                     var.value,
                     self._micro_update,
-                    args=(g, learning_rate, t, start, keep, graph),
+                    args=(g, learning_rate, t, start, keep),
                     group=False,
                 )
 
@@ -135,7 +142,25 @@ class UpdateAccumulationAdam(AdamFamily):
         grads = self._clip_micro_batch(grads, 1)
         return grads, (tf.constant(True) if ok is None else ok)
 
-    def _micro_update(self, variable, gradient, learning_rate, t, start, ok, graph=False):
+    def _fused_micro_step(self, grads, variables, learning_rate, t, start):
+        """`_micro_update` of every variable as one compiled kernel, in
+        replica context: each replica updates its own copy of the (mirrored)
+        state with the same reduced gradient, as `extended.update` would."""
+        handles = []
+        for var in variables:
+            index = self._get_variable_index(var)
+            slots = (self._momentums, self._velocities, self._updates)
+            handles.append(tuple(slot[index].handle for slot in slots))
+        # alpha_t with t = micro-steps folded into the moments so far
+        alpha = self._adam_alpha(learning_rate, tf.maximum(t, 1), "float32")
+        rates = [tf.constant(x, "float32") for x in (1 - self.beta_1, 1 - self.beta_2)]
+        scalars = (alpha, start, *rates, tf.constant(self.epsilon, "float32"))
+        # `grads` come from `_prepare`: cast, screened and clipped.
+        fused.run(fused.adam_micro_step, self, grads, handles, scalars)
+
+    def _micro_update(self, variable, gradient, learning_rate, t, start, ok):
+        """One variable's micro-step with TensorFlow ops: under XLA (masks,
+        fused by the caller's compilation) and when no buffer A exists."""
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
         lr = tf.cast(learning_rate, variable.dtype)
@@ -159,12 +184,7 @@ class UpdateAccumulationAdam(AdamFamily):
         update = self._updates[index]
         # A = step at the window's first micro-step (whatever came before,
         # also when that micro-step is skipped), else A + step
-        if graph:
-            tf.cond(
-                start, lambda: _set(update, adam_step), lambda: _set(update, adam_step, add=True)
-            )
-        else:
-            update.assign(tf.where(start, adam_step, update + adam_step))
+        update.assign(tf.where(start, adam_step, update + adam_step))
 
     def _update(self, distribution, variables, window):
         if self._updates is None:  # steps == 1: applied in the micro-step
@@ -181,9 +201,6 @@ class UpdateAccumulationAdam(AdamFamily):
             distribution.extended.update(var.value, apply_update, args=(update.value,), group=False)
 
 
-def _set(variable, value, add=False):
-    """variable = value (or += value); returns None, for `tf.cond`."""
-    if add:
-        variable.assign_add(value)
-    else:
-        variable.assign(value)
+def _set(variable, value):
+    """variable = value; returns None, for `tf.cond`."""
+    variable.assign(value)

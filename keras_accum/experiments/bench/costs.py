@@ -9,9 +9,12 @@ copies, would move). "ops": every TensorFlow op reads its inputs and writes
 its output in full (graph mode, no fusion): add/sub/mul/div of two tensors
 12, of a tensor and a scalar 8, square/sqrt 8, assign 8,
 assign_add/assign_sub 12, the finiteness check (one reduce_sum read per
-gradient) 4. Graph mode takes the branch forms of the optimizers (a
-`tf.cond` on the window start and on the check), XLA the fused masks.
-BENCHMARKS.md derives each line.
+gradient) 4. InvariantAdam's fold and UpdateAccumulationAdam's micro-step
+run in graph mode as one compiled kernel (`keras_accum/fused.py`): each
+operand read once, each result written once, as in "fused". Graph mode
+takes the branch forms of the other optimizers (a `tf.cond` on the window
+start and on the check), XLA the fused masks. BENCHMARKS.md derives each
+line.
 """
 
 import statistics
@@ -24,13 +27,15 @@ COST_MODEL = {
     # check; acc = g (first) or acc += g; boundary: acc / W, inner Adam.
     "gradient_accumulation": {"fused": (8, 12, 28), "ops": (12, 16, 128)},
     "gradient_accumulation_nocheck": {"fused": (8, 12, 28), "ops": (8, 12, 128)},
-    # check; g/N, g^2, g^2/N; m, v folded (first: Keras form, else +=);
-    # boundary: theta -= alpha m / (sqrt v + eps).
-    "invariant_adam": {"fused": (20, 20, 16), "ops": (92, 68, 48)},
-    "invariant_adam_nocheck": {"fused": (20, 20, 16), "ops": (88, 64, 48)},
-    # check; Adam moments; step = alpha m/(sqrt v + eps); A = step or
-    # A += step; boundary: theta -= A.
-    "update_accumulation_adam": {"fused": (24, 28, 12), "ops": (120, 124, 12)},
+    # check; one kernel: read g, m, v, write m, v (the window-start decay
+    # included); boundary: theta -= alpha m / (sqrt v + eps) as TF ops.
+    # (Before the compiled fold: "ops" (92, 68, 48).)
+    "invariant_adam": {"fused": (20, 20, 16), "ops": (24, 24, 48)},
+    "invariant_adam_nocheck": {"fused": (20, 20, 16), "ops": (20, 20, 48)},
+    # check; one kernel: read g, m, v, A, write m, v, A (Adam moments,
+    # step = alpha m/(sqrt v + eps), A = step or A + step); boundary:
+    # theta -= A. (Before the compiled micro-step: "ops" (120, 124, 12).)
+    "update_accumulation_adam": {"fused": (24, 28, 12), "ops": (32, 32, 12)},
     # One Adam update per N micro-batches' worth of examples.
     "big_batch": {"fused": (0, 0, 28), "ops": (0, 0, 120)},
     # sum(g) into a scalar: one read of g.
