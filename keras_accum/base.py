@@ -56,6 +56,7 @@ from keras import initializers, optimizers
 from tensorflow.python.ops import control_flow_util
 
 from keras_accum import schedules
+from keras_accum.kept_writes import KeptWrites
 from keras_accum.validation import check_choice, check_float
 
 NONFINITE_POLICIES = ("skip_micro_batch", "skip_window", "raise", None)
@@ -305,6 +306,11 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         self._overwrite_with_gradients(distribution, overwrite, boundary)
         if self.steps == 1:
             self._end_window(distribution, trainable_variables)
+        elif in_xla() and distribution.num_replicas_in_sync == 1:
+            # XLA copies every variable a `cond` branch writes on the steps
+            # that skip it: compute the update every micro-step instead and
+            # keep it only at the boundary (one fused pass, no copy).
+            self._end_window(distribution, trainable_variables, boundary)
         else:
             tf.cond(
                 boundary,
@@ -323,7 +329,10 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
 
             distribution.extended.update(variable.value, overwrite, args=(grad,), group=False)
 
-    def _end_window(self, distribution, trainable_variables):
+    def _end_window(self, distribution, trainable_variables, boundary=None):
+        """The window's update (or its drop). With `boundary` (a boolean
+        tensor, under XLA on one replica) it runs on every micro-step and
+        its writes are kept only where `boundary` holds (`_keep_where`)."""
         window = self._read_window(distribution)
 
         def update():
@@ -338,12 +347,36 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         if self.nonfinite == "skip_window":
             clean = tf.equal(read_total(self._window_bad), 0)
             window_ok = clean if window_ok is None else window_ok & clean
-        if window_ok is None:
+        if boundary is not None:
+            keep = boundary if window_ok is None else boundary & window_ok
+            self._keep_where(keep, trainable_variables, update)
+            if window_ok is not None:
+                dropped = boundary & tf.logical_not(window_ok)
+                self._skipped_updates.assign_add(tf.cast(dropped, "int64"))
+        elif window_ok is None:
             update()
         else:
             tf.cond(window_ok, update, drop)
         if self.nonfinite == "skip_window":
-            assign_total(self._window_bad, 0)
+            restart = 0
+            if boundary is not None:  # window_bad = 0 at the window's end
+                bad = read_total(self._window_bad)
+                restart = tf.where(boundary, tf.zeros_like(bad), bad)
+            assign_total(self._window_bad, restart)
+
+    def _keep_where(self, keep, trainable_variables, write):
+        """Runs `write()` (the update: assigns to the trainable variables and
+        to `self.variables`) and keeps its writes only where `keep` holds
+        (see `keras_accum.kept_writes`); `self._kept_writes` is set meanwhile
+        for a subclass whose update reads back what it wrote."""
+        kept = KeptWrites(keep, list(trainable_variables) + list(self.variables))
+        self._kept_writes = kept
+        try:
+            write()
+        finally:
+            self._kept_writes = None
+        # Constraints and weight decay write the variables directly.
+        kept.restore(reselect=trainable_variables)
 
     def _finish_update(self, distribution, variables):
         """After an update, in Keras's order: EMA of the weights (and its
