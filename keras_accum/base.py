@@ -366,17 +366,27 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
 
     def _keep_where(self, keep, trainable_variables, write):
         """Runs `write()` (the update: assigns to the trainable variables and
-        to `self.variables`) and keeps its writes only where `keep` holds
-        (see `keras_accum.kept_writes`); `self._kept_writes` is set meanwhile
-        for a subclass whose update reads back what it wrote."""
+        to `self.variables`) and keeps its writes only where `keep` holds;
+        the optimizers' own `assign*` write kept values directly (see
+        `keras_accum.kept_writes`)."""
         kept = KeptWrites(keep, list(trainable_variables) + list(self.variables))
-        self._kept_writes = kept
-        try:
+        with contextlib.ExitStack() as stack:
+            for optimizer in self._updating_optimizers():
+                stack.enter_context(kept.routing(optimizer))
             write()
-        finally:
-            self._kept_writes = None
-        # Constraints and weight decay write the variables directly.
-        kept.restore(reselect=trainable_variables)
+        kept.restore(reselect=self._written_after_update(trainable_variables))
+
+    def _updating_optimizers(self):
+        """The optimizers whose `assign*` the update calls."""
+        return [self]
+
+    def _written_after_update(self, variables):
+        """Variables that the update may write directly after its `assign*`
+        (which the kept select must then cover again): those with a
+        constraint, and all of them when an EMA overwrites them."""
+        if any(o.use_ema and o.ema_overwrite_frequency for o in self._updating_optimizers()):
+            return variables
+        return [v for v in variables if v.constraint is not None]
 
     def _finish_update(self, distribution, variables):
         """After an update, in Keras's order: EMA of the weights (and its

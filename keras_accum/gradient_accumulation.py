@@ -1,6 +1,5 @@
 """Gradient accumulation around any Keras optimizer."""
 
-import contextlib
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -143,27 +142,6 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     model.train_step = train_step
     model.train_function = None  # rebuild with the new step
     return model
-
-
-@contextlib.contextmanager
-def _assigns_kept(optimizer, kept):
-    """Routes `optimizer.assign`, `assign_add` and `assign_sub` (what a Keras
-    optimizer's `update_step` writes its slots and variables with) through
-    `kept.assign`, so that the step reads back the kept slots."""
-    names = ("assign", "assign_add", "assign_sub")
-    # The kept value is whole: written with the class's own `assign`.
-    write = lambda variable, value: type(optimizer).assign(optimizer, variable, value)
-    for name in names:
-
-        def assign(variable, value, mode=name):
-            kept.assign(write, variable, value, mode)
-
-        setattr(optimizer, name, assign)
-    try:
-        yield
-    finally:
-        for name in names:
-            delattr(optimizer, name)
 
 
 @saving.register_keras_serializable(package="keras_accum")
@@ -389,12 +367,13 @@ class GradientAccumulation(base.AccumulationOptimizer):
             def apply_inner(total_weight):
                 inner.apply([a.value / total_weight for a in accumulators], variables)
 
-            kept = getattr(self, "_kept_writes", None)
-            with contextlib.nullcontext() if kept is None else _assigns_kept(inner, kept):
-                distribution.extended.call_for_each_replica(apply_inner, args=(total_weight,))
+            distribution.extended.call_for_each_replica(apply_inner, args=(total_weight,))
 
     def _finish_update(self, distribution, variables):
         pass  # the inner optimizer applies its EMA and constraints itself
+
+    def _updating_optimizers(self):
+        return [self, self.inner_optimizer]
 
     def get_config(self):
         return {

@@ -19,6 +19,8 @@ theta's pass which recomputes the new slot from the old one), and XLA copies
 a buffer that one pass reads while another overwrites it in place.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -67,3 +69,23 @@ class KeptWrites:
             if key in self._selected and key not in again:
                 continue
             variable.assign(tf.where(self.keep, tf.convert_to_tensor(variable), self._before[key]))
+
+    @contextlib.contextmanager
+    def routing(self, optimizer):
+        """Routes `optimizer.assign`, `assign_add` and `assign_sub` (what a
+        Keras optimizer's `update_step` writes its slots and variables with)
+        through `assign`, so that the update reads back the kept values."""
+        names = ("assign", "assign_add", "assign_sub")
+        # The kept value is whole: written with the class's own `assign`.
+        write = lambda variable, value: type(optimizer).assign(optimizer, variable, value)
+        for name in names:
+
+            def assign(variable, value, mode=name):
+                self.assign(write, variable, value, mode)
+
+            setattr(optimizer, name, assign)
+        try:
+            yield
+        finally:
+            for name in names:
+                delattr(optimizer, name)
