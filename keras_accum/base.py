@@ -55,8 +55,7 @@ import tensorflow as tf
 from keras import initializers, optimizers
 from tensorflow.python.ops import control_flow_util
 
-from keras_accum import schedules
-from keras_accum.kept_writes import KeptWrites
+from keras_accum import kept_writes, schedules
 from keras_accum.validation import check_choice, check_float
 
 NONFINITE_POLICIES = ("skip_micro_batch", "skip_window", "raise", None)
@@ -332,7 +331,7 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
     def _end_window(self, distribution, trainable_variables, boundary=None):
         """The window's update (or its drop). With `boundary` (a boolean
         tensor, under XLA on one replica) it runs on every micro-step and
-        its writes are kept only where `boundary` holds (`_keep_where`)."""
+        its writes are kept only where `boundary` holds (`kept_writes`)."""
         window = self._read_window(distribution)
 
         def update():
@@ -349,7 +348,9 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
             window_ok = clean if window_ok is None else window_ok & clean
         if boundary is not None:
             keep = boundary if window_ok is None else boundary & window_ok
-            self._keep_where(keep, trainable_variables, update)
+            state = list(trainable_variables) + list(self.variables)
+            optimizers = self._updating_optimizers()
+            kept_writes.keep_where(keep, trainable_variables, state, optimizers, update)
             if window_ok is not None:
                 dropped = boundary & tf.logical_not(window_ok)
                 self._skipped_updates.assign_add(tf.cast(dropped, "int64"))
@@ -364,29 +365,9 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
                 restart = tf.where(boundary, tf.zeros_like(bad), bad)
             assign_total(self._window_bad, restart)
 
-    def _keep_where(self, keep, trainable_variables, write):
-        """Runs `write()` (the update: assigns to the trainable variables and
-        to `self.variables`) and keeps its writes only where `keep` holds;
-        the optimizers' own `assign*` write kept values directly (see
-        `keras_accum.kept_writes`)."""
-        kept = KeptWrites(keep, list(trainable_variables) + list(self.variables))
-        with contextlib.ExitStack() as stack:
-            for optimizer in self._updating_optimizers():
-                stack.enter_context(kept.routing(optimizer))
-            write()
-        kept.restore(reselect=self._written_after_update(trainable_variables))
-
     def _updating_optimizers(self):
         """The optimizers whose `assign*` the update calls."""
         return [self]
-
-    def _written_after_update(self, variables):
-        """Variables that the update may write directly after its `assign*`
-        (which the kept select must then cover again): those with a
-        constraint, and all of them when an EMA overwrites them."""
-        if any(o.use_ema and o.ema_overwrite_frequency for o in self._updating_optimizers()):
-            return variables
-        return [v for v in variables if v.constraint is not None]
 
     def _finish_update(self, distribution, variables):
         """After an update, in Keras's order: EMA of the weights (and its

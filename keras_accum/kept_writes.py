@@ -4,19 +4,19 @@ select keeps it only at the window's boundary.
 Under XLA a `tf.cond` whose branch assigns to a variable carries that
 variable through the conditional, and XLA copies it (a full read and write)
 on every micro-step that does not take the branch: N - 1 of every N. A
-select, `where(keep, new, old)`, instead fuses into the pass that computes
-`new` and writes the variable in place. It costs the update's arithmetic on
-every micro-step, which on an elementwise update reads no more memory than
-the copy did.
+select, `where(keep, new, old)`, fuses into the pass that computes `new` and
+writes the variable in place instead. The price is the update's arithmetic
+on every micro-step: one fused elementwise pass over what it reads and
+writes, where the cond copied each carried variable.
 
-`KeptWrites` snapshots the state an update may write, runs the update, and
-selects. An optimizer that reads the slots it has just written (Adam's
-moments, then theta from them) should write those slots through
-`KeptWrites.assign`: the select is then the value the rest of the update
-reads, as plain Adam reads its new moments. Selecting only after the whole
-update would leave two readers of each old slot (the slot's own select, and
-theta's pass which recomputes the new slot from the old one), and XLA copies
-a buffer that one pass reads while another overwrites it in place.
+`keep_where` snapshots the state an update may write, runs the update and
+selects. The optimizers' own `assign`, `assign_add` and `assign_sub` (what a
+Keras `update_step` writes slots and variables with) are routed meanwhile to
+write the kept value directly, so that the rest of the update reads the kept
+slot, as plain Adam reads its new moments. Selecting only after the whole
+update would leave two readers of each old slot (its own select, and
+theta's pass, which recomputes the new slot from the old one), and XLA
+copies a buffer that one pass reads while another overwrites it in place.
 """
 
 import contextlib
@@ -34,9 +34,9 @@ class KeptWrites:
     """Writes to `variables` that hold only where `keep` (a boolean scalar
     tensor) is True; elsewhere each variable keeps its value from before.
 
-    Use: `kept = KeptWrites(keep, variables)`, run the update (its own
-    assigns, or `kept.assign` for slots it reads back), then
-    `kept.restore()`.
+    Use: `kept = KeptWrites(keep, variables)`, run the update (direct
+    assigns, and `kept.assign` or `kept.routing(optimizer)` for what it
+    reads back), then `kept.restore()`.
     """
 
     def __init__(self, keep, variables):
@@ -89,3 +89,23 @@ class KeptWrites:
         finally:
             for name in names:
                 delattr(optimizer, name)
+
+
+def keep_where(keep, trainable_variables, state, optimizers, write):
+    """Runs `write()` and keeps its writes only where `keep` holds.
+
+    `state`: every variable the update may write, `trainable_variables`
+    included; it writes them directly or through the `assign*` methods of
+    `optimizers`.
+    """
+    kept = KeptWrites(keep, state)
+    with contextlib.ExitStack() as stack:
+        for optimizer in optimizers:
+            stack.enter_context(kept.routing(optimizer))
+        write()
+    # Written again after the update's `assign*`: by a constraint, or by an
+    # EMA overwrite (all of them); the kept select must cover those again.
+    again = [v for v in trainable_variables if v.constraint is not None]
+    if any(o.use_ema and o.ema_overwrite_frequency for o in optimizers):
+        again = trainable_variables
+    kept.restore(reselect=again)
