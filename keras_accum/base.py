@@ -17,7 +17,11 @@ How a call is processed (TensorFlow backend):
    replica-locally where the algorithm allows it (no communication).
 3. The micro-step counter advances; at a boundary `_update` (subclass)
    changes the model variables and `iterations` (the update count, which
-   learning-rate schedules see) advances by one.
+   learning-rate schedules see) advances by one. In graph mode the boundary
+   is a `tf.cond`; under XLA on one replica the update runs on every
+   micro-step and a select keeps it only at the boundary, since XLA copies
+   whatever a `cond` writes on every step that skips it
+   (`keras_accum.kept_writes`).
 
 Incoming gradients follow the Keras convention: each replica's gradient is
 its share of the global mean, i.e. the gradient of the replica's summed loss
