@@ -17,7 +17,11 @@ How a call is processed (TensorFlow backend):
    replica-locally where the algorithm allows it (no communication).
 3. The micro-step counter advances; at a boundary `_update` (subclass)
    changes the model variables and `iterations` (the update count, which
-   learning-rate schedules see) advances by one.
+   learning-rate schedules see) advances by one. In graph mode the boundary
+   is a `tf.cond`; under XLA on one replica the update runs on every
+   micro-step and a select keeps it only at the boundary, since XLA copies
+   whatever a `cond` writes on every step that skips it
+   (`keras_accum.kept_writes`).
 
 Incoming gradients follow the Keras convention: each replica's gradient is
 its share of the global mean, i.e. the gradient of the replica's summed loss
@@ -55,7 +59,7 @@ import tensorflow as tf
 from keras import initializers, optimizers
 from tensorflow.python.ops import control_flow_util
 
-from keras_accum import schedules
+from keras_accum import kept_writes, schedules
 from keras_accum.validation import check_choice, check_float
 
 NONFINITE_POLICIES = ("skip_micro_batch", "skip_window", "raise", None)
@@ -305,6 +309,11 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         self._overwrite_with_gradients(distribution, overwrite, boundary)
         if self.steps == 1:
             self._end_window(distribution, trainable_variables)
+        elif in_xla() and distribution.num_replicas_in_sync == 1:
+            # XLA copies every variable a `cond` branch writes on the steps
+            # that skip it: compute the update every micro-step instead and
+            # keep it only at the boundary (one fused pass, no copy).
+            self._end_window(distribution, trainable_variables, boundary)
         else:
             tf.cond(
                 boundary,
@@ -323,7 +332,10 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
 
             distribution.extended.update(variable.value, overwrite, args=(grad,), group=False)
 
-    def _end_window(self, distribution, trainable_variables):
+    def _end_window(self, distribution, trainable_variables, boundary=None):
+        """The window's update (or its drop). With `boundary` (a boolean
+        tensor, under XLA on one replica) it runs on every micro-step and
+        its writes are kept only where `boundary` holds (`kept_writes`)."""
         window = self._read_window(distribution)
 
         def update():
@@ -338,12 +350,28 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         if self.nonfinite == "skip_window":
             clean = tf.equal(read_total(self._window_bad), 0)
             window_ok = clean if window_ok is None else window_ok & clean
-        if window_ok is None:
+        if boundary is not None:
+            keep = boundary if window_ok is None else boundary & window_ok
+            state = list(trainable_variables) + list(self.variables)
+            optimizers = self._updating_optimizers()
+            kept_writes.keep_where(keep, trainable_variables, state, optimizers, update)
+            if window_ok is not None:
+                dropped = boundary & tf.logical_not(window_ok)
+                self._skipped_updates.assign_add(tf.cast(dropped, "int64"))
+        elif window_ok is None:
             update()
         else:
             tf.cond(window_ok, update, drop)
         if self.nonfinite == "skip_window":
-            assign_total(self._window_bad, 0)
+            restart = 0
+            if boundary is not None:  # window_bad = 0 at the window's end
+                bad = read_total(self._window_bad)
+                restart = tf.where(boundary, tf.zeros_like(bad), bad)
+            assign_total(self._window_bad, restart)
+
+    def _updating_optimizers(self):
+        """The optimizers whose `assign*` the update calls."""
+        return [self]
 
     def _finish_update(self, distribution, variables):
         """After an update, in Keras's order: EMA of the weights (and its

@@ -372,6 +372,9 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def _finish_update(self, distribution, variables):
         pass  # the inner optimizer applies its EMA and constraints itself
 
+    def _updating_optimizers(self):
+        return [self, self.inner_optimizer]
+
     def get_config(self):
         return {
             "name": self.name,

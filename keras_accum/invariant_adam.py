@@ -235,7 +235,7 @@ class InvariantAdam(AdamFamily):
             alpha = tf.cast(learning_rate * update_count, variable.dtype)
         self._decay(variable, tf.cast(learning_rate, variable.dtype))
         # theta = theta - alpha_k m / (sqrt(v) + epsilon)
-        variable.assign_sub((m * alpha) / (tf.sqrt(v) + self.epsilon))
+        self.assign_sub(variable, (m * alpha) / (tf.sqrt(v) + self.epsilon))
 
     # -- hyperparameters that follow the window size (`scaling_rule`) --------
 

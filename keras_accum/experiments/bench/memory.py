@@ -63,7 +63,15 @@ def count_copies(hlo_lines):
     """Elements moved by `copy` instructions in an optimised HLO module,
     split by where they run: "entry" (the entry computation: every step),
     "branches" (in a computation named after a `tf.cond` branch: when the
-    branch is taken) and "other" (fusions, loop bodies, ...)."""
+    branch is taken) and "other" (fusions, loop bodies, ...).
+
+    Optimizer state is copied in "entry" (a variable read by one pass while
+    another overwrites it in place, or a conditional's result moved into the
+    variable's buffer) and in "branches" (a variable that a `tf.cond` branch
+    writes, carried through the other branch). "other" holds layout copies
+    inside fusions, of activations (the transformer's attention heads,
+    [batch, tokens, heads, width]), not of state.
+    """
     counts = {"entry": 0, "branches": 0, "other": 0}
     where = None
     for line in hlo_lines:
