@@ -93,9 +93,11 @@ class UpdateAccumulationAdam(AdamFamily):
         learning_rate = self.learning_rate
 
         def step(keep):
-            if graph and self._updates is not None and keep is None:
+            compiled = graph and self._updates is not None and keep is None
+            if compiled and fused.worth_compiling(variables):
                 # Graph mode: one compiled kernel per replica for every
-                # variable (TensorFlow ops would be a full pass per term).
+                # variable (TensorFlow ops would be a full pass per term;
+                # on a small model the launch costs more, see `fused`).
                 distribution.extended.call_for_each_replica(
                     self._fused_micro_step, args=(reduced, variables, learning_rate, t, start)
                 )

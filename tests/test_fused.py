@@ -11,6 +11,7 @@ import tensorflow as tf
 from conftest import mirrored_strategy
 
 import keras_accum as ka
+from keras_accum import fused
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(32, 3)).astype("float32")
@@ -37,9 +38,19 @@ def _mse_gradients(params, x, y):
     return [scale * x.T @ residual, scale * residual.sum(0)]
 
 
+@pytest.fixture(autouse=True)
+def compiled_fold(monkeypatch):
+    """These models are tiny: compile their folds anyway (the default
+    leaves a fold this small to TensorFlow ops, see `fused.MIN_PARAMETERS`)."""
+    monkeypatch.setattr(fused, "MIN_PARAMETERS", 0)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("steps_per_execution", [1, 4])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_fit_matches_numpy_reference(name, steps_per_execution):
+def test_fit_matches_numpy_reference(name, steps_per_execution, compiled, monkeypatch):
+    if not compiled:  # the small-model path: the same fold as TensorFlow ops
+        monkeypatch.setattr(fused, "MIN_PARAMETERS", 10**9)
     make, make_reference = OPTIMIZERS[name]
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
