@@ -104,13 +104,13 @@ def worth_compiling(tensors):
 _COMPILED = weakref.WeakKeyDictionary()
 
 
-def run(kernel, owner, *args, compile=True):
-    """`kernel(*args)`: op by op when executing eagerly or when `compile`
-    is False (see `worth_compiling`), else as one XLA-compiled
+def run(kernel, owner, *args, jit=True):
+    """`kernel(*args)`: op by op when executing eagerly or when `jit` is
+    False (see `worth_compiling`), else as one XLA-compiled
     `tf.function` built once per `owner`. (Eager calls would trace once per
     optimizer, and TensorFlow warns of retracing after five traces of one
     Python function; graph-mode calls are not counted.)"""
-    if tf.executing_eagerly() or not compile:
+    if tf.executing_eagerly() or not jit:
         return kernel(*args)
     kernels = _COMPILED.setdefault(owner, {})
     if kernel not in kernels:

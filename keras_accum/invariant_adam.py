@@ -203,8 +203,8 @@ class InvariantAdam(AdamFamily):
         grads = self._clip_micro_batch(grads, replicas)
         handles = [(m.handle, v.handle) for m, v in moments]
         scalars = self._fold_scalars(replicas, start)
-        compile = fused.worth_compiling(grads)
-        fused.run(fused.fold_moments, self, grads, *zip(*handles), scalars, ok, compile=compile)
+        jit = fused.worth_compiling(grads)
+        fused.run(fused.fold_moments, self, grads, *zip(*handles), scalars, ok, jit=jit)
 
     def _update(self, distribution, variables, window):
         learning_rate = self.learning_rate

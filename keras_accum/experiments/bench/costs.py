@@ -10,8 +10,10 @@ its output in full (graph mode, no fusion): add/sub/mul/div of two tensors
 12, of a tensor and a scalar 8, square/sqrt 8, assign 8,
 assign_add/assign_sub 12, the finiteness check (one reduce_sum read per
 gradient) 4. InvariantAdam's fold and UpdateAccumulationAdam's micro-step
-run in graph mode as one compiled kernel (`keras_accum/fused.py`): each
-operand read once, each result written once, as in "fused". Graph mode
+run in graph mode as one compiled kernel (`keras_accum/fused.py`) when
+they span 65,536 parameters or more (the MLP; smaller folds run as
+TensorFlow ops): each operand read once, each result written once, as in
+"fused". Graph mode
 takes the branch forms of the other optimizers (a `tf.cond` on the window
 start and on the check), XLA the fused masks. BENCHMARKS.md derives each
 line.
