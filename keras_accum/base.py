@@ -30,14 +30,20 @@ over replicas it is the gradient of the global micro-batch mean.
 
 Non-finite gradients are governed by `nonfinite`:
 
-* `"skip_micro_batch"` (default): a micro-batch with a NaN or Inf gradient on
-  a replica is left out of the window (masked to zero with no weight, no
+* `"skip_micro_batch"` (the default of `InvariantAdam` and
+  `UpdateAccumulationAdam`): a micro-batch with a NaN or Inf gradient on a
+  replica is left out of the window (masked to zero with no weight, no
   branch); `skipped_micro_batches` counts it. Window state is reset at the
   window's start whatever its first micro-batch does, so a skip never leaves
-  the previous window's sums or update in place.
-* `"skip_window"`: the update of the window containing it is dropped: the
+  the previous window's sums or update in place. Costs one read of every
+  gradient per micro-batch.
+* `"skip_window"` (the default of `GradientAccumulation`): the update of the
+  window containing it is dropped and `skipped_updates` counts it: the
   parameters do not move (moments already updated by earlier micro-batches
   keep them, see `UpdateAccumulationAdam`; `InvariantAdam` refuses it).
+  `GradientAccumulation` checks its window sums once, at the window's end
+  (NaN and Inf propagate into a sum), not every micro-batch: it is what
+  the big batch the window stands for would do.
 * `"raise"`: `tf.errors.InvalidArgumentError` at the first non-finite value.
 * `None`: no check (fastest; a NaN then propagates as in plain Keras).
 
@@ -138,6 +144,10 @@ def check_weight(weight):
 
 class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
     """Base class: one micro-batch per `apply`, one update per window."""
+
+    # True when "skip_window" checks the window's state at its end instead
+    # of counting non-finite micro-batches in `window_bad`.
+    _checks_window_sums = False
 
     def __init__(self, learning_rate, steps=1, nonfinite="skip_micro_batch", **kwargs):
         super().__init__(learning_rate=learning_rate, **kwargs)
@@ -336,7 +346,7 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         """The window's update (or its drop). With `boundary` (a boolean
         tensor, under XLA on one replica) it runs on every micro-step and
         its writes are kept only where `boundary` holds (`kept_writes`)."""
-        window = self._read_window(distribution)
+        window = self._read_window(distribution, trainable_variables)
 
         def update():
             self._update(distribution, trainable_variables, window)
@@ -345,9 +355,11 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
 
         def drop():
             self._skipped_updates.assign_add(1)
+            self._drop_window(distribution, trainable_variables)
 
         window_ok = self._window_ok(window)
-        if self.nonfinite == "skip_window":
+        counts_bad = self.nonfinite == "skip_window" and not self._checks_window_sums
+        if counts_bad:
             clean = tf.equal(read_total(self._window_bad), 0)
             window_ok = clean if window_ok is None else window_ok & clean
         if boundary is not None:
@@ -358,11 +370,12 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
             if window_ok is not None:
                 dropped = boundary & tf.logical_not(window_ok)
                 self._skipped_updates.assign_add(tf.cast(dropped, "int64"))
+                self._drop_window(distribution, trainable_variables, dropped)
         elif window_ok is None:
             update()
         else:
             tf.cond(window_ok, update, drop)
-        if self.nonfinite == "skip_window":
+        if counts_bad:
             restart = 0
             if boundary is not None:  # window_bad = 0 at the window's end
                 bad = read_total(self._window_bad)
@@ -372,6 +385,10 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
     def _updating_optimizers(self):
         """The optimizers whose `assign*` the update calls."""
         return [self]
+
+    def _drop_window(self, distribution, variables, dropped=None):
+        """After a dropped update (where `dropped` holds, under XLA): leave
+        no non-finite window state behind. Nothing by default."""
 
     def _finish_update(self, distribution, variables):
         """After an update, in Keras's order: EMA of the weights (and its
@@ -422,7 +439,7 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
     def _accumulate(self, distribution, grads, variables, weight, start):
         raise NotImplementedError
 
-    def _read_window(self, distribution):
+    def _read_window(self, distribution, variables):
         """Window-level totals read once at the boundary (cross-replica),
         handed to `_window_ok` and `_update`; None by default."""
         return None

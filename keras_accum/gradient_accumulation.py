@@ -185,16 +185,21 @@ class GradientAccumulation(base.AccumulationOptimizer):
         optimizer: the `keras.optimizers.Optimizer` to step once per window.
         steps: micro-batches per window on each replica: an integer >= 1
             or a schedule (`keras_accum.PiecewiseSteps`, `AdaptiveSteps`).
-        nonfinite: `"skip_micro_batch"`, `"skip_window"`, `"raise"` or None;
-            see `keras_accum.base`.
+        nonfinite: `"skip_window"` (default: a window whose sums hold a NaN
+            or an Inf is dropped, as the big batch would be; checked once
+            per window), `"skip_micro_batch"` (leaves the bad micro-batch
+            out and averages the rest; one more read of every gradient per
+            micro-batch), `"raise"` or None; see `keras_accum.base`.
         name: optimizer name.
     """
+
+    _checks_window_sums = True  # "skip_window": see `_read_window`
 
     def __init__(
         self,
         optimizer: optimizers.Optimizer,
         steps: Any = 1,
-        nonfinite: str | None = "skip_micro_batch",
+        nonfinite: str | None = "skip_window",
         name: str | None = None,
     ):
         if not isinstance(optimizer, optimizers.Optimizer):
@@ -277,7 +282,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
     def _fold(self, grads, variables, weight, start):
         # Replica context, replica-local state only: no communication.
-        accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        accumulators = self._accumulators_of(variables)
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         unit_weight = isinstance(weight, float) and weight == 1.0
         if isinstance(weight, ReplicaItems):
@@ -296,10 +301,18 @@ class GradientAccumulation(base.AccumulationOptimizer):
         if not base.in_xla():
             self._fold_graph(accumulators, grads, wgs, share, start)
             return
-        grads, ok = self._screen(grads)
-        if ok is not None:
-            # A skipped micro-batch (zeroed by `_screen`) adds no weight.
-            share = share * tf.cast(ok, "float32")
+        if self.nonfinite == "skip_window":
+            # Under XLA the check fuses into the fold; a bad micro-batch
+            # adds zeros to S_r (kept finite) and NaN to W_r, which the
+            # window's end then reads as "drop" (a scalar, no read of S_r).
+            ok = base.all_finite(grads)
+            grads = [tf.where(ok, g, tf.zeros((), g.dtype)) for g in grads]
+            share = tf.where(ok, share, tf.constant(float("nan"), "float32"))
+        else:
+            grads, ok = self._screen(grads)
+            if ok is not None:
+                # A skipped micro-batch (zeroed by `_screen`) adds no weight.
+                share = share * tf.cast(ok, "float32")
         for a, wg in zip(accumulators, wgs(grads)):
             # S_r = w g at the window's start (whatever came before, also
             # when this micro-batch is skipped), else S_r + w g
@@ -310,7 +323,10 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def _fold_graph(self, accumulators, grads, wgs, share, start):
         """The fold of `_fold` in graph mode: the same state, with branches
         instead of masks (a `cond` costs nothing there, a mask a full pass)."""
-        grads, ok = self._screen(grads, mask=False)
+        if self.nonfinite == "skip_window":
+            ok = None  # the window's sums are checked at its end (`_read_window`)
+        else:
+            grads, ok = self._screen(grads, mask=False)
 
         def put():  # S_r = w g, W_r = w
             for a, wg in zip(accumulators, wgs(grads)):
@@ -332,17 +348,53 @@ class GradientAccumulation(base.AccumulationOptimizer):
         else:
             tf.cond(start, lambda: tf.cond(ok, put, reset), lambda: tf.cond(ok, add, lambda: None))
 
-    def _read_window(self, distribution):
-        return base.read_total(self._weight)  # W, summed over replicas
+    def _read_window(self, distribution, variables):
+        if self.nonfinite != "skip_window" or base.in_xla():
+            total_weight = base.read_total(self._weight)  # W, summed over replicas
+            # Under XLA a bad micro-batch made W NaN (`_fold`).
+            return total_weight, tf.math.is_finite(total_weight)
+        # Graph mode: NaN and Inf propagate into the window's sums, so one
+        # check of each S_r per window (in the window end's branch) replaces
+        # a check of every micro-batch, reduced with W in the window's one
+        # scalar reduction.
+        accumulators = self._accumulators_of(variables)
 
-    def _window_ok(self, total_weight):
+        def local():  # (W_r, 1.0 where S_r holds a NaN or an Inf)
+            finite = base.all_finite([a.value for a in accumulators])
+            return tf.stack([self._weight.value, 1.0 - tf.cast(finite, "float32")])
+
+        totals = distribution.extended.call_for_each_replica(local)
+        totals = distribution.reduce(tf.distribute.ReduceOp.SUM, totals, axis=None)
+        return totals[0], tf.equal(totals[1], 0.0)
+
+    def _drop_window(self, distribution, variables, dropped=None):
+        if self.nonfinite != "skip_window":
+            return  # the sums are finite: bad micro-batches never entered
+        accumulators = self._accumulators_of(variables)
+
+        def reset():  # no NaN left behind (the next window overwrites them)
+            if dropped is None:  # the drop branch of a `cond`
+                for a in accumulators:
+                    a.assign(tf.zeros_like(a))
+                self._weight.assign(0.0)
+            else:  # XLA, every micro-step: S_r was kept finite, W_r maybe not
+                self._weight.assign(tf.where(dropped, 0.0, self._weight.value))
+
+        distribution.extended.call_for_each_replica(reset)
+
+    def _accumulators_of(self, variables):
+        return [self._accumulators[self._get_variable_index(v)] for v in variables]
+
+    def _window_ok(self, window):
+        total_weight, finite = window
         if self.nonfinite == "skip_micro_batch":
             # Every micro-batch of the window skipped: nothing to apply.
             return total_weight > 0.0
-        return None
+        return finite if self.nonfinite == "skip_window" else None
 
-    def _update(self, distribution, variables, total_weight):
-        accumulators = [self._accumulators[self._get_variable_index(v)] for v in variables]
+    def _update(self, distribution, variables, window):
+        total_weight, _ = window
+        accumulators = self._accumulators_of(variables)
         inner = self.inner_optimizer
         clips = inner.clipnorm or inner.global_clipnorm or inner.clipvalue
         if distribution.num_replicas_in_sync > 1 and clips:

@@ -130,10 +130,11 @@ def test_mirrored_group_counts_reductions_and_records_keras_failure():
     adam, ours = rows["adam"], rows["gradient_accumulation"]
     assert ours["retraces"] == 0 and ours["bytes_per_param"] == 12.0
     # Adam all-reduces every gradient every micro-step; GradientAccumulation
-    # only in the window-end conditional: the window mean, plus its weight.
+    # only in the window-end conditional: the window mean, plus its weight
+    # and its non-finite flag (one 2-element reduction).
     assert adam["reductions"]["every_step_elements"] == adam["params"]
     assert ours["reductions"].get("every_step_elements", 0) == 0
-    assert ours["reductions"]["conditional_elements"] == ours["params"] + 1
+    assert ours["reductions"]["conditional_elements"] == ours["params"] + 2
 
 
 def test_transformer_workload_trains_through_sparse_gradients():

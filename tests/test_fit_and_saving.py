@@ -79,8 +79,9 @@ def test_mirrored_fit_equals_one_device(name):
 def test_mirrored_skips_non_finite_micro_batch_of_one_replica():
     x = X.copy()
     x[5] = np.nan  # second micro-batch: replica 1 of the first global batch
-    one = lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4)
-    two = lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2)
+    policy = {"nonfinite": "skip_micro_batch"}
+    one = lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4, **policy)
+    two = lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2, **policy)
     reference = fit(one, 4, x=x)
     model = fit(two, 8, mirrored(), x=x)
     assert int(model.optimizer.skipped_micro_batches.numpy()) == 2  # 2 epochs
@@ -88,6 +89,23 @@ def test_mirrored_skips_non_finite_micro_batch_of_one_replica():
     for a, b in zip(model.get_weights(), reference.get_weights()):
         assert np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mirrored_drops_the_window_of_a_non_finite_replica_by_default():
+    x = X.copy()
+    x[5] = np.nan  # second micro-batch: replica 1 of the first global batch
+    one = lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4)
+    two = lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2)
+    reference = fit(one, 4, x=x)
+    model = fit(two, 8, mirrored(), x=x)
+    # The first window of each of the 2 epochs, on both replicas alike.
+    counts = lambda opt: (int(opt.skipped_updates.numpy()), int(opt.iterations.numpy()))
+    assert counts(model.optimizer) == counts(reference.optimizer) == (2, 4)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for v in model.optimizer.variables:
+        assert np.all(np.isfinite(np.asarray(v))), v.path
 
 
 MAKERS = {
@@ -220,7 +238,9 @@ def test_mirrored_skip_on_one_replica_leaves_no_stale_replica_sum():
     strategy = mirrored()
     with strategy.scope():
         var = keras.Variable(np.zeros(1, "float32"))
-        opt = ka.GradientAccumulation(keras.optimizers.SGD(1.0), steps=2)
+        opt = ka.GradientAccumulation(
+            keras.optimizers.SGD(1.0), steps=2, nonfinite="skip_micro_batch"
+        )
         opt.build([var])
     values = [[1.0, 2.0], [3.0, 4.0], [5.0, np.nan], [6.0, np.nan]]  # [call][replica]
 

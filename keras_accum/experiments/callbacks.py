@@ -34,7 +34,8 @@ class CSVLogger(keras.callbacks.CSVLogger):
 
 
 class AccumulationLogger(keras.callbacks.Callback):
-    """Adds learning rate, update count and skipped micro-batches to logs."""
+    """Adds learning rate, update count, skipped micro-batches and skipped
+    updates (dropped windows) to logs."""
 
     def on_epoch_end(self, epoch, logs=None):
         optimizer = self.model.optimizer
@@ -43,3 +44,4 @@ class AccumulationLogger(keras.callbacks.Callback):
         logs["learning_rate"] = float(np.asarray(optimizer.learning_rate))
         logs["updates"] = int(np.asarray(optimizer.iterations))
         logs["skipped_micro_batches"] = int(np.asarray(optimizer.skipped_micro_batches))
+        logs["skipped_updates"] = int(np.asarray(optimizer.skipped_updates))

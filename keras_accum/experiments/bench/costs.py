@@ -2,7 +2,8 @@
 measured optimizer time.
 
 Read off the code in graph mode with N = steps, one replica, the default
-non-finite check. Each entry: (first micro-step of a window, other
+non-finite check (GradientAccumulation: once per window, on its sums; the
+Adam variants: every micro-batch). Each entry: (first micro-step of a window, other
 micro-steps, extra at the window's last micro-step). "fused": each tensor
 read or written once per micro-step (what an ideal kernel, or XLA without
 copies, would move). "ops": every TensorFlow op reads its inputs and writes
@@ -26,8 +27,9 @@ COST_MODEL = {
     "adam": {"fused": (28, 28, 0), "ops": (120, 120, 0)},
     # acc = g + acc; boundary: (g + acc)/N, Adam, acc = zeros.
     "keras_accumulation": {"fused": (12, 12, 24), "ops": (20, 20, 152 - 20)},
-    # check; acc = g (first) or acc += g; boundary: acc / W, inner Adam.
-    "gradient_accumulation": {"fused": (8, 12, 28), "ops": (12, 16, 128)},
+    # acc = g (first) or acc += g; boundary: the window check (one read of
+    # acc: the default "skip_window"), acc / W, inner Adam.
+    "gradient_accumulation": {"fused": (8, 12, 28), "ops": (8, 12, 132)},
     "gradient_accumulation_nocheck": {"fused": (8, 12, 28), "ops": (8, 12, 128)},
     # check; one kernel: read g, m, v, write m, v (the window-start decay
     # included); boundary: theta -= alpha m / (sqrt v + eps) as TF ops.
