@@ -75,8 +75,11 @@ def adam_micro_step(grads, handles, scalars):
         _assign(m_handle, m)
         _assign(v_handle, v)
         step = (m * tf.cast(alpha, dtype)) / (tf.sqrt(v) + tf.cast(epsilon, dtype))
-        # A = step at the window's start, else A + step
-        _assign(a_handle, tf.where(start, step, _read(a_handle, dtype) + step))
+        # A = step at the window's start, else A + step. Written as
+        # (0 or A) + step: XLA then updates A in place (a select of two
+        # parameter-sized results took one more buffer, 4 bytes/parameter).
+        a = tf.where(start, tf.zeros((), dtype), _read(a_handle, dtype))
+        _assign(a_handle, a + step)
 
 
 # Below this many parameters (all the variables of one fold) the graph-mode
