@@ -55,6 +55,33 @@ def measure_rss(model_name, contender_name, config):
     return {"baseline_mb": baseline, "peak_mb": peak, "bytes_per_param": runner.bytes_per_param}
 
 
+def measure_tensor_memory(model_name, contender_name, setting_name, config):
+    """In a fresh process started with TF_CPU_ALLOCATOR_USE_BFC=true (see
+    `worker`): the peak of the memory TensorFlow's allocator hands out,
+    above what the model and the data hold, over the warm-up and a few
+    training calls: the optimizer's state plus every transient buffer of
+    the step, without the process's code and allocator slack. It repeats
+    between fresh processes to within a few KB (the RSS varies by tens of
+    MB)."""
+    workload = WORKLOADS[model_name]
+    keras.utils.set_random_seed(config.seed)
+    x, _ = workload.data(1, config.quick, np.random.default_rng(config.seed))
+    workload.build(config.quick)(x)
+    baseline = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    runner = FitRunner(
+        workload,
+        CONTENDERS[contender_name],
+        config,
+        tf.distribute.get_strategy(),
+        SETTINGS[setting_name],
+        config.micro_batch,
+    )
+    runner.call(2)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - baseline
+    return {"setting": setting_name, "peak_mb": peak / 2**20, "per_param": peak / runner.params}
+
+
 # A copy instruction's output shape, e.g. "%copy.3 = f32[1024,2048]{1,0} copy(".
 _COPY = re.compile(r"= f32\[([\d,]*)\]\S* copy\(")
 

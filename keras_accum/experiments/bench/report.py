@@ -29,6 +29,9 @@ MEMORY_COLUMNS = (
     "float32 slots",
     "peak RSS MB",
     "RSS over baseline MB",
+    "peak tensor MB, graph",
+    "peak tensor MB, XLA",
+    "peak tensor B / param, graph",
 )
 COST_COLUMNS = (
     "optimizer",
@@ -136,6 +139,17 @@ def _memory_section(result):
             continue
         rss = row.get("rss") or {}
         peak = rss.get("peak_mb")
+        xla = next(
+            (
+                r
+                for r in result["rows"]
+                if r["setting"] == "xla"
+                and _b(r, config) == config["micro_batch"]
+                and (r["model"], r["contender"]) == (row["model"], row["contender"])
+            ),
+            {},
+        )
+        tensors = row.get("tensor_memory") or {}
         lines.append(
             [
                 row["model"],
@@ -144,6 +158,9 @@ def _memory_section(result):
                 f"{row['bytes_per_param'] / 4:.2f}",
                 _num(peak, ".0f"),
                 "-" if peak is None else f"{peak - rss['baseline_mb']:.0f}",
+                _num(tensors.get("peak_mb"), ".1f"),
+                _num((xla.get("tensor_memory") or {}).get("peak_mb"), ".1f"),
+                _num(tensors.get("per_param"), ".1f"),
             ]
         )
     if not lines:

@@ -67,6 +67,15 @@ def run(config=None):
             dict(found["result"], model=found["model"], contender=found["contender"])
             for found in worker.per_contender("rss", "peak RSS", config)
         ]
+    tensors = []
+    if config.rss:
+        settings = [s for s in ("graph", "xla") if s in config.settings]
+        tensors = [
+            dict(found["result"], model=found["model"], contender=found["contender"])
+            for found in worker.per_contender(
+                "tensor_memory", "peak tensor memory", config, settings=settings
+            )
+        ]
     copies = []
     if config.xla_copies:
         # Only the optimizers: the references' copies are not targets.
@@ -81,6 +90,7 @@ def run(config=None):
         "rows": rows,
         "xla_copies": copies,
         "rss": rss,
+        "tensor_memory": tensors,
         "seconds": time.time() - started,
     }
     attach_rss(result)
@@ -90,13 +100,21 @@ def run(config=None):
 
 def attach_rss(result):
     """Puts each peak-RSS measurement on its graph-mode row at the main
-    micro-batch (the memory table and targets read it there)."""
+    micro-batch, each peak tensor memory on its setting's row there (the
+    memory table and targets read them there)."""
     found = {(r["model"], r["contender"]): r for r in result.get("rss") or []}
+    tensors = {
+        (r.get("setting"), r["model"], r["contender"]): r for r in result.get("tensor_memory") or []
+    }
     b = result["config"]["micro_batch"]
     for row in result["rows"]:
+        if row.get("micro_batch", b) != b:
+            continue
         key = (row["model"], row["contender"])
-        if row["setting"] == "graph" and row.get("micro_batch", b) == b and key in found:
+        if row["setting"] == "graph" and key in found:
             row["rss"] = found[key]
+        if (row["setting"], *key) in tensors:
+            row["tensor_memory"] = tensors[(row["setting"], *key)]
 
 
 def merge_results(results):
@@ -119,6 +137,7 @@ def merge_results(results):
         "rows": [row for result in results for row in result["rows"]],
         "xla_copies": [c for result in results for c in result.get("xla_copies") or []],
         "rss": [r for result in results for r in result.get("rss") or []],
+        "tensor_memory": [r for result in results for r in result.get("tensor_memory") or []],
         "seconds": sum(result["seconds"] for result in results),
         "command": "\n".join(r.get("command") or "" for r in results),
     }

@@ -20,6 +20,10 @@ TARGETS = {
         "params",
     ),
     "memory_state": ("Optimizer state <= Keras's accumulation (bytes / parameter)", "B/param"),
+    "memory_tensors": (
+        "Peak tensor memory (TensorFlow's allocator) <= Keras's accumulation",
+        "MB",
+    ),
     "memory_peak": ("Peak RSS over baseline <= Keras's accumulation + 10 MB", "MB"),
     "mirrored_vs_adam": ("MirroredStrategy: each optimizer <= plain Adam per micro-batch", "x"),
     "mirrored_reductions": ("MirroredStrategy: one all-reduce per window", "params/window"),
@@ -142,6 +146,17 @@ def _memory_cases(rows, config):
                 value = rss["peak_mb"] - rss["baseline_mb"]
                 limit = keras_rss["peak_mb"] - keras_rss["baseline_mb"] + RSS_ALLOWANCE_MB
                 cases.append(_case("memory_peak", row, value, limit))
+    for row in rows:  # peak tensor memory, in graph and XLA
+        if row["contender"] not in OURS or "tensor_memory" not in row:
+            continue
+        keras_row = next(
+            (r for r in rows if r["contender"] == "keras_accumulation" and _same_group(r, row)),
+            None,
+        )
+        limit = ((keras_row or {}).get("tensor_memory") or {}).get("peak_mb")
+        note = "" if limit is not None else "Keras's accumulation not measured"
+        value = row["tensor_memory"].get("peak_mb")
+        cases.append(_case("memory_tensors", row, value, limit, note=note))
     return cases
 
 

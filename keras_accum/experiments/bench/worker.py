@@ -19,8 +19,9 @@ from keras_accum.experiments.bench.config import SETTINGS, BenchConfig, log
 
 
 def run_worker(task, config, timeout=3600):
-    """Runs `task` (a dict with "kind": "group", "rss" or "xla_copies") in
-    a fresh Python; returns its JSON result. RuntimeError if it fails."""
+    """Runs `task` (a dict with "kind": "group", "rss", "tensor_memory" or
+    "xla_copies") in a fresh Python; returns its JSON result. RuntimeError
+    if it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         task = dict(task, tmp=tmp)
@@ -29,6 +30,9 @@ def run_worker(task, config, timeout=3600):
         if task["kind"] == "xla_copies":
             # Read by XLA when it first compiles, in the child.
             env["XLA_FLAGS"] = f"--xla_dump_to={tmp}/hlo --xla_dump_hlo_as_text"
+        if task["kind"] == "tensor_memory":
+            # TensorFlow's BFC allocator on the CPU counts its peak.
+            env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
         package_root = os.path.dirname(os.path.dirname(ka.__file__))
         env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in [env.get("PYTHONPATH")] if p]
@@ -46,13 +50,15 @@ def run_worker(task, config, timeout=3600):
             return json.load(f)
 
 
-def per_contender(kind, label, config, contenders=None):
-    """Runs task `kind` in a fresh subprocess per (model, contender); a
-    failure is recorded as {"error": ...} instead of stopping the run."""
+def per_contender(kind, label, config, contenders=None, settings=(None,)):
+    """Runs task `kind` in a fresh subprocess per (model, contender[,
+    setting]); a failure is recorded as {"error": ...} instead of stopping
+    the run."""
     for model_name in config.models:
-        for name in contenders or config.contenders:
-            log(f"{label}: {model_name} / {name} (subprocess)")
-            task = {"kind": kind, "model": model_name, "contender": name}
+        for name, setting in ((n, s) for n in contenders or config.contenders for s in settings):
+            where = f"{model_name} / {name}" + (f" / {setting}" if setting else "")
+            log(f"{label}: {where} (subprocess)")
+            task = {"kind": kind, "model": model_name, "contender": name, "setting": setting}
             try:
                 result = run_worker(task, config)
             except (RuntimeError, subprocess.TimeoutExpired) as error:
@@ -77,6 +83,10 @@ def main(payload):
             cpu, [tf.config.LogicalDeviceConfiguration()] * replicas
         )
         result = group.run_group(task["model"], task["setting"], config, task["micro_batch"])
+    elif task["kind"] == "tensor_memory":
+        result = memory.measure_tensor_memory(
+            task["model"], task["contender"], task["setting"], config
+        )
     elif task["kind"] == "xla_copies":
         result = memory.measure_xla_copies(
             task["model"], task["contender"], config, os.path.join(task["tmp"], "hlo")
