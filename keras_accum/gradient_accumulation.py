@@ -373,12 +373,15 @@ class GradientAccumulation(base.AccumulationOptimizer):
         accumulators = self._accumulators_of(variables)
 
         def reset():  # no NaN left behind (the next window overwrites them)
-            if dropped is None:  # the drop branch of a `cond`
+            if not base.in_xla():  # the drop branch of a `cond`: S_r may hold NaN
                 for a in accumulators:
                     a.assign(tf.zeros_like(a))
-                self._weight.assign(0.0)
-            else:  # XLA, every micro-step: S_r was kept finite, W_r maybe not
-                self._weight.assign(tf.where(dropped, 0.0, self._weight.value))
+            # Under XLA S_r stays finite (`_fold`) and W_r may be NaN; with
+            # `dropped` this runs every micro-step.
+            zero = tf.zeros((), "float32")
+            self._weight.assign(
+                zero if dropped is None else tf.where(dropped, zero, self._weight.value)
+            )
 
         distribution.extended.call_for_each_replica(reset)
 
