@@ -36,8 +36,10 @@ How a time is taken (`runner`, `group`):
   conditional (the window's end).
 * Optimizer memory is the sum of the sizes of `optimizer.variables`, scalars
   excluded, per trainable parameter; peak RSS (VmHWM) and the XLA copies of
-  the compiled step are taken in a fresh subprocess per (model, contender)
-  (`memory`, `worker`); MirroredStrategy groups run in a subprocess too.
+  the compiled step are taken in a fresh subprocess per (model, contender),
+  the peak tensor memory (TensorFlow's BFC allocator) in one per (model,
+  contender, setting) (`memory`, `worker`); MirroredStrategy groups run in
+  a subprocess too.
 """
 
 import os

@@ -88,7 +88,12 @@ FIELDS = [
     F("repeats", "int", 11, "Timed rounds per group", minimum=1),
     F("warmup", "int", 2, "Untimed calls after the warm-up fit", minimum=0),
     F("min_sample_seconds", "float", 0.2, "A timed sample repeats calls to last this", minimum=0.0),
-    F("rss", "bool", True, "Peak RSS in one subprocess per (model, contender)"),
+    F(
+        "rss",
+        "bool",
+        True,
+        "Peak RSS and peak tensor memory (graph, XLA), one subprocess per measurement",
+    ),
     F("timing", "bool", True, "Run the timed groups (off: only memory / copies)"),
     F("xla_copies", "bool", True, "Count XLA copies per (model, contender) from the HLO"),
     F("quick", "bool", False, "Tiny sizes: a smoke test, not a measurement"),

@@ -3,8 +3,8 @@ measured optimizer time.
 
 Read off the code in graph mode with N = steps, one replica, the default
 non-finite check (GradientAccumulation: once per window, on its sums; the
-Adam variants: every micro-batch). Each entry: (first micro-step of a window, other
-micro-steps, extra at the window's last micro-step). "fused": each tensor
+Adam variants: every micro-batch). Each entry: (first micro-step of a
+window, other micro-steps, extra at the window's last micro-step). "fused": each tensor
 read or written once per micro-step (what an ideal kernel, or XLA without
 copies, would move). "ops": every TensorFlow op reads its inputs and writes
 its output in full (graph mode, no fusion): add/sub/mul/div of two tensors
