@@ -267,17 +267,14 @@ def test_merge_puts_peak_rss_of_a_memory_run_on_the_timed_rows():
     assert (peak["value"], peak["threshold"], peak["met"]) == (70.0, 60.0, False)
 
 
-def test_peak_tensor_memory_worker_repeats_within_one_percent():
-    # TensorFlow's BFC allocator (set in the worker) counts every tensor: the
-    # peak covers at least the optimizer's state, and a second fresh process
-    # measures the same to within 1% (the RSS varies by 10% and more).
+def test_peak_tensor_memory_worker_counts_the_optimizer_state():
+    # TensorFlow's BFC allocator (set in the worker; without it the child's
+    # get_memory_info fails) counts every tensor: the peak covers at least
+    # the optimizer's state, m and v of 4 bytes each per parameter.
     task = {"kind": "tensor_memory", "model": "cnn", "contender": "invariant_adam"}
-    first, second = (
-        bench.run_worker(dict(task, setting="graph"), CONFIG.resolved()) for _ in range(2)
-    )
-    assert first["peak_mb"] == pytest.approx(second["peak_mb"], rel=0.01)
-    assert first["per_param"] >= 8.0  # m and v, 4 bytes each
-    assert first["setting"] == "graph"
+    result = bench.run_worker(dict(task, setting="graph"), CONFIG.resolved())
+    assert result["per_param"] >= 8.0
+    assert result["setting"] == "graph"
 
 
 def test_merge_puts_peak_tensor_memory_on_its_setting_row_with_a_verdict():

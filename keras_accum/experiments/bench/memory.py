@@ -61,8 +61,10 @@ def measure_tensor_memory(model_name, contender_name, setting_name, config):
     above what the model and the data hold, over the warm-up and a few
     training calls: the optimizer's state plus every transient buffer of
     the step, without the process's code and allocator slack. Fresh
-    processes agree to about 2% (the order in which TensorFlow runs
-    independent ops moves the peak); the RSS varies by tens of MB."""
+    processes agree to about 2% on the 4.2M-parameter MLP (the order in
+    which TensorFlow runs independent ops moves the peak; the RSS varies by
+    tens of MB); on a tiny model one unrelated buffer alive at the peak or
+    not can double it."""
     workload = WORKLOADS[model_name]
     keras.utils.set_random_seed(config.seed)
     x, _ = workload.data(1, config.quick, np.random.default_rng(config.seed))
