@@ -339,18 +339,25 @@ class GradientAccumulation(base.AccumulationOptimizer):
             self._weight.assign_add(share)
 
         def reset():  # A skipped first micro-batch: S_r = 0, W_r = 0.
-            for a in accumulators:
-                a.assign(tf.zeros_like(a))
-            self._weight.assign(0.0)
+            self._zero_window(accumulators)
 
         if ok is None:
             tf.cond(start, put, add)
         else:
             tf.cond(start, lambda: tf.cond(ok, put, reset), lambda: tf.cond(ok, add, lambda: None))
 
+    def _zero_window(self, accumulators):
+        """S_r = 0, W_r = 0 (replica context)."""
+        for a in accumulators:
+            a.assign(tf.zeros_like(a))
+        self._weight.assign(0.0)
+
     def _read_window(self, distribution, variables):
-        if self.nonfinite != "skip_window" or base.in_xla():
-            total_weight = base.read_total(self._weight)  # W, summed over replicas
+        """(W, whether S is finite: None when not checked here)."""
+        if self.nonfinite != "skip_window":
+            return base.read_total(self._weight), None  # W, summed over replicas
+        if base.in_xla():
+            total_weight = base.read_total(self._weight)
             # Under XLA a bad micro-batch made W NaN (`_fold`).
             return total_weight, tf.math.is_finite(total_weight)
         # Graph mode: NaN and Inf propagate into the window's sums, so one
@@ -374,14 +381,11 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
         def reset():  # no NaN left behind (the next window overwrites them)
             if not base.in_xla():  # the drop branch of a `cond`: S_r may hold NaN
-                for a in accumulators:
-                    a.assign(tf.zeros_like(a))
-            # Under XLA S_r stays finite (`_fold`) and W_r may be NaN; with
-            # `dropped` this runs every micro-step.
-            zero = tf.zeros((), "float32")
-            self._weight.assign(
-                zero if dropped is None else tf.where(dropped, zero, self._weight.value)
-            )
+                self._zero_window(accumulators)
+            elif dropped is None:  # XLA, a `cond` (replicas): S_r stayed finite
+                self._weight.assign(0.0)
+            else:  # XLA, every micro-step: W_r is NaN after a bad micro-batch
+                self._weight.assign(tf.where(dropped, 0.0, self._weight.value))
 
         distribution.extended.call_for_each_replica(reset)
 
