@@ -211,13 +211,16 @@ class InvariantAdam(AdamFamily):
         update_count = self._iterations + 1
         if self.scaling_rule is not None:
             learning_rate, update_count = self._scaled_rate(distribution)
+        moments = [
+            (self._momentums[i], self._velocities[i])
+            for i in map(self._get_variable_index, variables)
+        ]
         replicated = distribution.num_replicas_in_sync > 1
-        for var in variables:
-            index = self._get_variable_index(var)
-            m, v = self._momentums[index], self._velocities[index]
-            # Cross-replica read of the replica-local moments = their sum.
-            m_total = base.read_total(m) if replicated else m.value
-            v_total = base.read_total(v) if replicated else v.value
+        if replicated:
+            totals = self._reduce_moments(distribution, variables, moments)
+        else:
+            totals = [(m.value, v.value) for m, v in moments]
+        for var, (m, v), (m_total, v_total) in zip(variables, moments, totals):
             distribution.extended.update(
                 var.value,
                 self._apply_moments,
@@ -226,8 +229,25 @@ class InvariantAdam(AdamFamily):
             )
             if replicated:
                 # Spread the totals back evenly over the replicas.
-                base.assign_total(m, m_total)
-                base.assign_total(v, v_total)
+                base.assign_total(m, distribution.experimental_local_results(m_total)[0])
+                base.assign_total(v, distribution.experimental_local_results(v_total)[0])
+
+    def _reduce_moments(self, distribution, variables, moments):
+        """[(sum of m_r, sum of v_r)] per variable, each on the devices of
+        its variable: every replica-local moment in one batched all-reduce,
+        the window's one communication."""
+
+        def local():  # replica context: this replica's m_r, v_r
+            return [(m.value, v.value) for m, v in moments]
+
+        parts = distribution.extended.call_for_each_replica(local)
+        pairs = [
+            (part, var.value)
+            for var, (m_part, v_part) in zip(variables, parts)
+            for part in (m_part, v_part)
+        ]
+        totals = distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+        return list(zip(totals[::2], totals[1::2]))
 
     def _apply_moments(self, variable, m, v, learning_rate, update_count):
         if self.scaling_rule is None:

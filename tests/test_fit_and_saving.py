@@ -76,6 +76,24 @@ def test_mirrored_fit_equals_one_device(name):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_mirrored_invariant_adam_reduces_its_moments_in_one_call_per_window():
+    # m and v are replica-local sums: the window's end all-reduces every one
+    # of them in one batched call (2 x parameters), nothing every micro-step.
+    from keras_accum.experiments.bench.runner import count_reductions
+
+    strategy = mirrored()
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer=ka.InvariantAdam(0.01, steps=2), loss="mse")
+    counts = {}
+    with count_reductions(strategy, model.optimizer, counts):
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert counts.get("every_step_calls", 0) == 0
+    assert counts["conditional_calls"] == 1
+    assert counts["conditional_elements"] == 2 * params
+
+
 def test_mirrored_skips_non_finite_micro_batch_of_one_replica():
     x = X.copy()
     x[5] = np.nan  # second micro-batch: replica 1 of the first global batch

@@ -21,31 +21,39 @@ JOB = [sys.executable, os.path.join(ROOT, "tests", "_train_job.py")]
 ENV = {"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def test_two_workers_equal_one_process(tmp_path):
-    # 2 workers x 1 replica x 2 micro-steps against 1 process x 1 replica x
-    # 4 micro-steps: kappa = 4 both ways, and GradientAccumulation with item
-    # weights is the big-batch Adam step, also for the short batches. Equal
-    # to float32 rounding (the sums are taken in another order).
+def two_workers_against_one_process(tmp_path, workers_args, process_args):
+    """Runs the job on 2 local workers and in one process; asserts both
+    finished and that their final weights agree to float32 rounding."""
     codes = multiworker.launch_local_workers(
         2,
-        JOB + ["--workdir", str(tmp_path / "multi"), "--steps", "2", "--epochs", "2"],
+        JOB + ["--workdir", str(tmp_path / "multi"), *workers_args],
         env=ENV,
         log_dir=str(tmp_path / "logs"),
         timeout=300,
     )
     assert codes == [0, 0]
-    single = subprocess.run(
-        JOB + ["--workdir", str(tmp_path / "single"), "--steps", "4", "--epochs", "2"],
+    process = subprocess.run(
+        JOB + ["--workdir", str(tmp_path / "process"), *process_args],
         env=dict(os.environ, **ENV),
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert single.returncode == 0, single.stdout + single.stderr
-    expected = np.load(tmp_path / "single" / "final.npz")
+    assert process.returncode == 0, process.stdout + process.stderr
+    expected = np.load(tmp_path / "process" / "final.npz")
     actual = np.load(tmp_path / "multi" / "final.npz")
     for name in expected:
         np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_two_workers_equal_one_process(tmp_path):
+    # 2 workers x 1 replica x 2 micro-steps against 1 process x 1 replica x
+    # 4 micro-steps: kappa = 4 both ways, and GradientAccumulation with item
+    # weights is the big-batch Adam step, also for the short batches. Equal
+    # to float32 rounding (the sums are taken in another order).
+    two_workers_against_one_process(
+        tmp_path, ["--steps", "2", "--epochs", "2"], ["--steps", "4", "--epochs", "2"]
+    )
     # Only the chief wrote checkpoints and logs.
     assert (tmp_path / "multi" / "checkpoints").is_dir()
     assert sorted(os.listdir(tmp_path / "multi")) == [
@@ -55,6 +63,14 @@ def test_two_workers_equal_one_process(tmp_path):
         "log.jsonl",
         "tensorboard",
     ]
+
+
+def test_two_workers_invariant_adam_equal_two_replicas_of_one_process(tmp_path):
+    # InvariantAdam's window end all-reduces every replica-local moment in
+    # one batched call: across two workers (collective ops) the same as
+    # across two replicas of one process, micro-batch for micro-batch.
+    args = ["--steps", "2", "--epochs", "2", "--optimizer", "invariant"]
+    two_workers_against_one_process(tmp_path, args, args + ["--replicas", "2"])
 
 
 def test_killed_worker_stops_the_survivor(tmp_path):
