@@ -349,7 +349,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def _zero_window(self, accumulators):
         """S_r = 0, W_r = 0 (replica context)."""
         for a in accumulators:
-            a.assign(tf.zeros_like(a))
+            a.assign(base.zeros_like_state(a))
         self._weight.assign(0.0)
 
     def _read_window(self, distribution, variables):
@@ -415,7 +415,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
                 context = tf.distribute.get_replica_context()
                 first = tf.equal(context.replica_id_in_sync_group, 0)
                 inner.apply(
-                    [tf.where(first, m, tf.zeros_like(m)) for m in means],
+                    [tf.where(first, m, tf.zeros((), m.dtype)) for m in means],
                     variables,
                 )
 

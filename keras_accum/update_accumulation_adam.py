@@ -118,7 +118,7 @@ class UpdateAccumulationAdam(AdamFamily):
             if self._updates is not None:
                 for var in variables:
                     update = self._updates[self._get_variable_index(var)]
-                    tf.cond(start, lambda u=update: _set(u, tf.zeros_like(u)), lambda: None)
+                    tf.cond(start, lambda u=update: _set(u, base.zeros_like_state(u)), lambda: None)
 
         tf.cond(ok, lambda: step(None), skip)
 
