@@ -43,18 +43,22 @@ def fold_moments(grads, m_handles, v_handles, scalars, ok=None):
     boolean scalar): False counts the micro-batch as a zero gradient.
     """
     steps, square_factor, rate_1, rate_2, first = scalars
+    # m += (1 - beta_1) (g_j / kappa - [window start] m), i.e.
+    # m = m (1 - first rate_1) + g (rate_1 / steps); v likewise with g**2.
+    # The scalars are computed once; a skipped micro-batch gets a zero
+    # factor, and `multiply_no_nan` makes its NaN or Inf times 0 exactly 0.
+    keep_1, keep_2 = 1.0 - first * rate_1, 1.0 - first * rate_2
+    take_1, take_2 = rate_1 / steps, rate_2 * square_factor
+    if ok is not None:
+        take_1 = tf.where(ok, take_1, 0.0)
+        take_2 = tf.where(ok, take_2, 0.0)
     for g, m_handle, v_handle in zip(grads, m_handles, v_handles):
         dtype = g.dtype
-        if ok is not None:
-            g = tf.where(ok, g, tf.zeros((), dtype))
         m, v = _read(m_handle, dtype), _read(v_handle, dtype)
-        mean_part = g / tf.cast(steps, dtype)
-        square_part = tf.square(g) * tf.cast(square_factor, dtype)
-        f = tf.cast(first, dtype)
-        # m += (1 - beta_1) (g_j / kappa - [window start] m)
-        _assign(m_handle, m + (mean_part - f * m) * tf.cast(rate_1, dtype))
-        # v += (1 - beta_2) (g_j**2 / kappa - [window start] v)
-        _assign(v_handle, v + (square_part - f * v) * tf.cast(rate_2, dtype))
+        cast = lambda x, dtype=dtype: tf.cast(x, dtype)
+        _assign(m_handle, m * cast(keep_1) + tf.math.multiply_no_nan(g, cast(take_1)))
+        square = tf.math.multiply_no_nan(tf.square(g), cast(take_2))
+        _assign(v_handle, v * cast(keep_2) + square)
 
 
 def adam_micro_step(grads, handles, scalars):
