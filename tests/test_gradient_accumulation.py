@@ -326,9 +326,19 @@ class TestNonFinite:
             self.run("raise")
 
 
-def test_all_finite_is_exact_also_when_a_sum_overflows():
-    big = tf.fill([4], 3.0e38)  # finite elements whose float32 sum is inf
-    assert bool(base.all_finite([big, tf.ones([2])]))
+@pytest.mark.parametrize("form", ["eager", "graph", "xla"])
+@pytest.mark.parametrize("size", [4, base.SMALL])  # XLA: elementwise, by sums
+def test_all_finite_is_exact_also_when_a_sum_overflows(form, size):
+    check = base.all_finite
+    if form != "eager":
+        check = tf.function(base.all_finite, jit_compile=form == "xla", autograph=False)
+    big = tf.fill([size], 3.0e38)  # finite elements whose float32 sum is inf
+    assert bool(check([big, tf.ones([2])]))
     for bad in (np.nan, np.inf, -np.inf):
-        assert not bool(base.all_finite([tf.ones([3]), tf.constant([1.0, bad])]))
-    assert not bool(base.all_finite([tf.constant([np.inf, -np.inf])]))  # sum is NaN
+        assert not bool(
+            check(
+                [tf.ones([size]), tf.tensor_scatter_nd_update(tf.ones([size]), [[size - 1]], [bad])]
+            )
+        )
+    both = tf.concat([[np.inf, -np.inf], tf.ones([size - 2])], 0)
+    assert not bool(check([both]))  # its sum is NaN
