@@ -93,13 +93,14 @@ class UpdateAccumulationAdam(AdamFamily):
         learning_rate = self.learning_rate
 
         def step(keep):
-            compiled = graph and self._updates is not None and keep is None
-            if compiled and fused.worth_compiling(variables):
+            if graph and self._updates is not None and keep is None:
                 # Graph mode: one compiled kernel per replica for every
-                # variable (TensorFlow ops would be a full pass per term;
-                # on a small model the launch costs more, see `fused`).
+                # variable (TensorFlow ops would be a full pass per term);
+                # on a small model, where the launch costs more (see
+                # `fused`), the same arithmetic op by op, alpha computed once.
+                jit = fused.worth_compiling(variables)
                 distribution.extended.call_for_each_replica(
-                    self._fused_micro_step, args=(reduced, variables, learning_rate, t, start)
+                    self._fused_micro_step, args=(reduced, variables, learning_rate, t, start, jit)
                 )
                 return
             for g, var in zip(reduced, variables):
@@ -144,7 +145,7 @@ class UpdateAccumulationAdam(AdamFamily):
         grads = self._clip_micro_batch(grads, 1)
         return grads, (tf.constant(True) if ok is None else ok)
 
-    def _fused_micro_step(self, grads, variables, learning_rate, t, start):
+    def _fused_micro_step(self, grads, variables, learning_rate, t, start, jit=True):
         """`_micro_update` of every variable as one compiled kernel, in
         replica context: each replica updates its own copy of the (mirrored)
         state with the same reduced gradient, as `extended.update` would."""
@@ -158,7 +159,7 @@ class UpdateAccumulationAdam(AdamFamily):
         rates = [tf.constant(x, "float32") for x in (1 - self.beta_1, 1 - self.beta_2)]
         scalars = (alpha, start, *rates, tf.constant(self.epsilon, "float32"))
         # `grads` come from `_prepare`: cast, screened and clipped.
-        fused.run(fused.adam_micro_step, self, grads, handles, scalars)
+        fused.run(fused.adam_micro_step, self, grads, handles, scalars, jit=jit)
 
     def _micro_update(self, variable, gradient, learning_rate, t, start, ok):
         """One variable's micro-step with TensorFlow ops: under XLA (masks,
