@@ -85,9 +85,9 @@ def all_finite(grads):
     costs the most with many small ones, where the elementwise test fused
     into one pass is cheap: gradients under `SMALL` elements are tested
     elementwise there, the rest by their sums. (Side by side, XLA: the
-    transformer, 39 gradients of under 17k elements, 16% faster than with
-    sums for all; the MLP's 1024 x 2048 kernels 5% slower with the
-    elementwise test for all.)"""
+    transformer, 38 gradients of at most 16,384 elements, 6-32% faster per
+    micro-step in three runs than with sums for all; the MLP, with two
+    1024 x 2048 kernels, 5-10% slower with the elementwise test for all.)"""
     large = grads
     small_ok = None
     if in_xla():

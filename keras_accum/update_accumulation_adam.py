@@ -146,9 +146,10 @@ class UpdateAccumulationAdam(AdamFamily):
         return grads, (tf.constant(True) if ok is None else ok)
 
     def _fused_micro_step(self, grads, variables, learning_rate, t, start, jit=True):
-        """`_micro_update` of every variable as one compiled kernel, in
-        replica context: each replica updates its own copy of the (mirrored)
-        state with the same reduced gradient, as `extended.update` would."""
+        """`_micro_update` of every variable as one compiled kernel (with
+        `jit` False, its arithmetic op by op), in replica context: each
+        replica updates its own copy of the (mirrored) state with the same
+        reduced gradient, as `extended.update` would."""
         handles = []
         for var in variables:
             index = self._get_variable_index(var)

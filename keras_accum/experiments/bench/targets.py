@@ -175,7 +175,7 @@ def _reduction_cases(rows, config):
         calls = config["steps"] * counts.get("every_step_calls", 0) + counts.get(
             "conditional_calls", 0
         )
-        note = f"{calls} reductions per window"
+        note = f"{calls} reduction{'' if calls == 1 else 's'} per window"
         if row["contender"] == "adam":
             note += " (reference, not a target)"
             cases.append(_case("mirrored_reductions", row, per_window, None, met=None, note=note))
