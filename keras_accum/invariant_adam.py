@@ -34,7 +34,8 @@ class InvariantAdam(AdamFamily):
     and v as it arrives (the first of a window also applies the decay), and
     only the last one moves theta. Under `tf.distribute`, every replica's
     gradient is a micro-batch and is squared before the cross-replica mean;
-    m and v are replica-local sums that are reduced once per window.
+    m and v are replica-local sums, all reduced in one batched all-reduce
+    per window.
 
     Conventions:
     * epsilon sits outside the square root as in `keras.optimizers.Adam`, so
