@@ -41,6 +41,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_accum import base
+
 
 def _sq_norm_one(g):
     if g is None:
@@ -321,7 +323,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
                 )
             grads = tape.gradient(loss, weights)
             grads = [
-                tf.zeros_like(w) if g is None else tf.convert_to_tensor(g)
+                base.zeros_like_state(w) if g is None else tf.convert_to_tensor(g)
                 for g, w in zip(grads, weights)
             ]
             return (i + 1, small + squared_norm(grads), [a + g for a, g in zip(acc, grads)])
@@ -329,7 +331,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         _, small, acc = tf.while_loop(
             lambda i, *_: i < kappa,
             body,
-            (tf.constant(0), tf.constant(0.0), [tf.zeros_like(w) for w in weights]),
+            # Not `tf.zeros_like`: a constant the traced probe would hold for good.
+            (tf.constant(0), tf.constant(0.0), [base.zeros_like_state(w) for w in weights]),
         )
         for v, s in zip(state, saved):
             v.assign(s)

@@ -1,9 +1,10 @@
 """Run by tests/test_held_memory.py in a fresh process (TensorFlow's BFC
 CPU allocator must be chosen before TensorFlow starts): trains a model of
 one 1024 x 2048 kernel (8 MB) a few graph-mode calls with each optimizer
-and prints, as JSON, the bytes the allocator holds after the calls beyond
-what it held before them (the model, the optimizer's state and the data
-were all allocated by then)."""
+(and calls the gradient noise scale probe a few times) and prints, as JSON,
+the bytes the allocator holds after the calls beyond what it held before
+them (the model, the optimizer's state and the data were all allocated by
+then)."""
 
 import json
 import os
@@ -16,6 +17,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_accum as ka  # noqa: E402
+from keras_accum import diagnostics  # noqa: E402
 
 STEPS = 4
 
@@ -61,4 +63,24 @@ def held_bytes(make_optimizer):
     return tf.config.experimental.get_memory_info("CPU:0")["current"] - before
 
 
-print(json.dumps({name: held_bytes(make) for name, make in OPTIMIZERS.items()}))
+def held_by_noise_scale_probe():
+    """The same for the gradient noise scale probe (a traced while loop
+    over kappa micro-batches), called a few times."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(2048, use_bias=False)])
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 1024)).astype("float32")
+    y = rng.normal(size=(16, 2048)).astype("float32")
+    callback = diagnostics.NoiseScaleCallback((x, y), micro_batch_size=4, kappa=4, seed=0)
+    callback.set_model(model)
+    probe = callback._next_probe()
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    for _ in range(3):
+        callback.probe_fn(probe)
+    return tf.config.experimental.get_memory_info("CPU:0")["current"] - before
+
+
+held = {name: held_bytes(make) for name, make in OPTIMIZERS.items()}
+held["noise_scale_probe"] = held_by_noise_scale_probe()
+print(json.dumps(held))

@@ -3,8 +3,10 @@
 Graph mode folds a `tf.zeros_like` of a known shape into a constant that
 lives as long as the compiled function, whether the branch that uses it
 runs or not: the branches that zero the window state (a dropped window, a
-skipped first micro-batch) held one parameter-sized buffer for good. They
-now write `base.zeros_like_state` (x * 0, NaN and Inf included). This reads
+skipped first micro-batch) held one parameter-sized buffer for good, and so
+did the noise-scale probe's loop (its running sum started from
+`tf.zeros_like`). They now write `base.zeros_like_state` (x * 0, NaN and Inf
+included). This reads
 TensorFlow's own allocator in a fresh process (tests/_held_memory.py), with a
 control that zeroes with `tf.zeros_like` and must show the buffer.
 """
@@ -42,6 +44,7 @@ def test_the_probe_sees_a_constant_held_by_a_branch(held):
         "gradient_accumulation_skip_micro_batch",
         "invariant_adam",
         "update_accumulation_adam",
+        "noise_scale_probe",
     ],
 )
 def test_no_parameter_sized_buffer_held_after_the_calls(held, name):
