@@ -117,9 +117,13 @@ class UpdateAccumulationAdam(AdamFamily):
 
         def skip():  # m, v, theta unchanged; A = 0 at the window's start
             if self._updates is not None:
-                for var in variables:
-                    update = self._updates[self._get_variable_index(var)]
-                    tf.cond(start, lambda u=update: _set(u, base.zeros_like_state(u)), lambda: None)
+                updates = [self._updates[self._get_variable_index(v)] for v in variables]
+
+                def restart():
+                    for update in updates:
+                        update.assign(base.zeros_like_state(update))
+
+                tf.cond(start, restart, lambda: None)
 
         tf.cond(ok, lambda: step(None), skip)
 
@@ -203,8 +207,3 @@ class UpdateAccumulationAdam(AdamFamily):
                 self.assign_sub(variable, update)
 
             distribution.extended.update(var.value, apply_update, args=(update.value,), group=False)
-
-
-def _set(variable, value):
-    """variable = value; returns None, for `tf.cond`."""
-    variable.assign(value)
