@@ -47,38 +47,43 @@ OPTIMIZERS = {
 }
 
 
-def held_bytes(make_optimizer):
+def model_and_data(compile_args, items):
+    """A model of one 1024 x 2048 kernel (8 MB), compiled, and `items`
+    random examples."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(2048, use_bias=False)])
-    model.compile(optimizer=make_optimizer(), loss="mse", steps_per_execution=STEPS)
-    model.optimizer.build(model.trainable_variables)
+    model.compile(loss="mse", **compile_args)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(STEPS * 8, 1024)).astype("float32")
-    y = rng.normal(size=(STEPS * 8, 2048)).astype("float32")
-    iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat())
-    model.make_train_function()
+    x = rng.normal(size=(items, 1024)).astype("float32")
+    y = rng.normal(size=(items, 2048)).astype("float32")
+    return model, x, y
+
+
+def held_after(call):
+    """Bytes the allocator holds after three `call()`s beyond before them."""
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     for _ in range(3):
-        model.train_function(iterator)
+        call()
     return tf.config.experimental.get_memory_info("CPU:0")["current"] - before
+
+
+def held_bytes(make_optimizer):
+    compile_args = {"optimizer": make_optimizer(), "steps_per_execution": STEPS}
+    model, x, y = model_and_data(compile_args, STEPS * 8)
+    model.optimizer.build(model.trainable_variables)
+    iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat())
+    model.make_train_function()
+    return held_after(lambda: model.train_function(iterator))
 
 
 def held_by_noise_scale_probe():
     """The same for the gradient noise scale probe (a traced while loop
-    over kappa micro-batches), called a few times."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(2048, use_bias=False)])
-    model.compile(optimizer="sgd", loss="mse")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 1024)).astype("float32")
-    y = rng.normal(size=(16, 2048)).astype("float32")
+    over kappa micro-batches)."""
+    model, x, y = model_and_data({"optimizer": "sgd"}, 16)
     callback = diagnostics.NoiseScaleCallback((x, y), micro_batch_size=4, kappa=4, seed=0)
     callback.set_model(model)
     probe = callback._next_probe()
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    for _ in range(3):
-        callback.probe_fn(probe)
-    return tf.config.experimental.get_memory_info("CPU:0")["current"] - before
+    return held_after(lambda: callback.probe_fn(probe))
 
 
 held = {name: held_bytes(make) for name, make in OPTIMIZERS.items()}
