@@ -16,6 +16,10 @@ A run in pieces (e.g. one setting at a time), reported as one:
     python scripts/bench.py --render=runs/b1/results.json,runs/b2/results.json \\
         --splice=BENCHMARKS.md:main
 
+The same groups run again in another process (e.g. `--norss
+--noxla_copies`, timing only) and rendered with the first run pool their
+rounds: a ratio then stands for both processes.
+
 Every key of the benchmark's config is a flag (`--models=cnn,mlp`,
 `--repeats=5`, `--norss`, ...; see `--help`). What is measured and how: the
 docstring of `keras_accum/experiments/bench/`.
@@ -52,7 +56,8 @@ flags.DEFINE_string(
     "render",
     None,
     "results.json of earlier runs, comma-separated: print (and --splice) their report "
-    "again without running; several are merged into one report (e.g. one run per setting).",
+    "again without running; several are merged into one report (e.g. one run per setting; "
+    "a group timed in several runs pools their rounds).",
 )
 
 

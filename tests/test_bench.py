@@ -13,12 +13,13 @@ import dataclasses
 import io
 import math
 
+import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored_strategy
 
 from keras_accum.experiments import bench
-from keras_accum.experiments.bench import memory
+from keras_accum.experiments.bench import group, memory
 
 CONFIG = bench.BenchConfig(
     quick=True,
@@ -100,16 +101,92 @@ def test_markdown_and_files(result, tmp_path):
     assert all(float(s["seconds_per_micro_batch"]) > 0 for s in samples)
 
 
-def test_merged_runs_report_every_row_and_case(result):
+def test_merged_runs_pool_a_group_timed_twice(result):
+    # The same group from two runs (processes): one row per contender,
+    # every round of both, the same number of per-row target cases.
     merged = bench.merge_results([result, result])
-    assert len(merged["rows"]) == 2 * len(result["rows"])
+    assert len(merged["rows"]) == len(result["rows"])
+    for row, once in zip(merged["rows"], result["rows"]):
+        assert row["contender"] == once["contender"]
+        assert row["samples"] == once["samples"] * 2
+        assert row["processes"] == 2
+        # Each round's ratio twice: the same median, exactly.
+        for key, ratio in once["ratios"].items():
+            assert row["ratios"][key]["median"] == ratio["median"], (row["contender"], key)
 
-    # Per-row cases twice; per-model ones (memory) once per model.
     def per_row(r):
         return [t for t in r["targets"] if t["target"].startswith("retrace")]
 
-    assert len(per_row(merged)) == 2 * len(per_row(result)) > 0
+    assert len(per_row(merged)) == len(per_row(result)) > 0
     assert merged["config"]["models"] == list(CONFIG.models)
+    assert f"| {2 * CONFIG.resolved().repeats} (2 runs) |" in bench.markdown(merged)
+
+
+ROLES = {"keras_accumulation": "keras", "adam": "adam", "gradients_only": "gradients_only"}
+
+
+def _run_rows(samples, steps, retraces=0):
+    """Rows of one hand-made timed group, ratios as `run_group` adds them."""
+    rows = {
+        name: {
+            "setting": "graph",
+            "model": "mlp",
+            "micro_batch": 32,
+            "contender": name,
+            "role": ROLES.get(name, "ours"),
+            "samples": list(values),
+            "retraces": retraces,
+            "retraces_learning_rate": 0,
+        }
+        for name, values in samples.items()
+    }
+    group.add_ratios(rows, samples, steps)
+    return list(rows.values())
+
+
+def test_pooled_ratios_are_medians_over_every_runs_rounds():
+    steps = 4
+    run_1 = {
+        "keras_accumulation": [1.0, 2.0, 4.0],
+        "adam": [2.0, 2.5, 3.0],
+        "gradients_only": [0.5, 1.0, 1.5],
+        "gradient_accumulation": [1.5, 1.0, 5.0],
+    }
+    run_2 = {
+        "keras_accumulation": [3.0, 1.0],
+        "adam": [1.0, 4.0],
+        "gradients_only": [0.25, 2.0],
+        "gradient_accumulation": [6.0, 9.0],
+    }
+    rows = group.pool_runs([_run_rows(run_1, steps), _run_rows(run_2, steps, retraces=1)], steps)
+    pooled = {row["contender"]: row for row in rows}
+    assert list(pooled) == list(run_1)
+    ga = pooled["gradient_accumulation"]
+    both = {n: np.array(run_1[n] + run_2[n]) for n in run_1}
+    assert ga["samples"] == run_1["gradient_accumulation"] + run_2["gradient_accumulation"]
+    assert ga["seconds_per_micro_batch"] == np.median(both["gradient_accumulation"])
+    assert ga["processes"] == 2 and ga["retraces"] == 1
+    # Each round's ratio within its run, the median over both runs' rounds
+    # (chosen so that neither run alone has the pooled median).
+    vs_keras = both["gradient_accumulation"] / both["keras_accumulation"]
+    assert ga["ratios"]["vs_keras_accumulation"]["median"] == pytest.approx(np.median(vs_keras))
+    limit = both["gradients_only"] + (both["adam"] - both["gradients_only"]) / steps
+    expected = np.median(both["gradient_accumulation"] / limit)
+    assert ga["ratios"]["vs_limit"]["median"] == pytest.approx(expected)
+    for key in ("vs_keras_accumulation", "vs_limit"):
+        alone = _run_rows(run_1, steps)[3]["ratios"][key]["median"]
+        assert ga["ratios"][key]["median"] != pytest.approx(alone)
+    assert ga["ratios"]["vs_big_batch"] is None  # no big_batch in either run
+
+
+def test_pooling_refuses_runs_that_differ(result):
+    run = {"adam": [1.0, 2.0], "gradient_accumulation": [1.0, 1.5]}
+    fewer = {"adam": [1.0, 2.0]}
+    with pytest.raises(ValueError, match="different contenders"):
+        group.pool_runs([_run_rows(run, 4), _run_rows(fewer, 4)], 4)
+    other_steps = dict(result, config=dict(result["config"], steps=result["config"]["steps"] + 1))
+    with pytest.raises(ValueError, match="different `steps`"):
+        bench.merge_results([result, other_steps])
 
 
 def test_memory_targets_are_met_exactly(result):

@@ -22,6 +22,9 @@ How a time is taken (`runner`, `group`):
 * The contenders are sampled round-robin, the first one rotating each round;
   a ratio is the median over rounds of per-round ratios (quartiles as its
   spread). Data are N distinct random micro-batches cached in memory.
+  Ratios move more between processes than between rounds: runs of the same
+  group merged by `merge_results` pool their rounds (`group.pool_runs`),
+  each ratio still taken within its own run.
 * The "big batch" contender is plain Adam on batches of N x b. The *limit*
   is N forward/backward passes whose gradients are read once and dropped
   (`gradients_only`) plus one Adam update, per micro-batch.

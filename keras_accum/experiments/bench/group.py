@@ -150,31 +150,106 @@ def quartiles(values):
     return q[0], statistics.median(values), q[2]
 
 
-def add_ratios(rows, samples, steps):
-    """Per-round ratios against the references, summarised by quartiles.
+def ratio_pairs(rows, samples, steps):
+    """Per-round ratios of each contender against the references:
+    {name: {"vs_...": [ratio per round] or None where a reference is
+    missing}}.
 
     The *limit* of accumulation is N forward/backward passes whose
     gradients are computed, read once and dropped (`gradients_only`) plus
     one Adam update; per micro-batch, from the same round:
     limit = t_gradients_only + (t_adam - t_gradients_only) / N.
     """
-
-    def ratio(name, reference):
-        if reference is None:
-            return None
-        pairs = [a / r for a, r in zip(samples[name], reference)]
-        return dict(zip(("q25", "median", "q75"), quartiles(pairs)))
-
     by_role = {rows[n]["role"]: samples[n] for n in samples}
     keras_times, adam_times = by_role.get("keras"), by_role.get("adam")
     grads_times = by_role.get("gradients_only")
     limit = None
     if adam_times and grads_times:
         limit = [g + (a - g) / steps for g, a in zip(grads_times, adam_times)]
-    for name in samples:
-        rows[name]["ratios"] = {
-            "vs_keras_accumulation": ratio(name, keras_times),
-            "vs_adam": ratio(name, adam_times),
-            "vs_big_batch": ratio(name, by_role.get("big_batch")),
-            "vs_limit": ratio(name, limit),
+    references = {
+        "vs_keras_accumulation": keras_times,
+        "vs_adam": adam_times,
+        "vs_big_batch": by_role.get("big_batch"),
+        "vs_limit": limit,
+    }
+    return {
+        name: {
+            key: None if ref is None else [a / r for a, r in zip(samples[name], ref)]
+            for key, ref in references.items()
         }
+        for name in samples
+    }
+
+
+def _summary(pairs):
+    return None if pairs is None else dict(zip(("q25", "median", "q75"), quartiles(pairs)))
+
+
+def add_ratios(rows, samples, steps):
+    """Per-round ratios against the references (`ratio_pairs`), summarised
+    by quartiles."""
+    for name, pairs in ratio_pairs(rows, samples, steps).items():
+        rows[name]["ratios"] = {key: _summary(p) for key, p in pairs.items()}
+
+
+def pool_runs(runs, steps):
+    """The rows of several runs, one list per run, with each group timed in
+    more than one run (one process each) pooled into one row per contender.
+
+    Ratios move by a few percent between processes on a noisy machine, more
+    than between the rounds of one process; pooling counts each process's
+    rounds alike. A pooled row holds every run's samples (in run order),
+    its time is their median, and each ratio is the median of the per-round
+    ratios of every run, each taken within its own run; `processes` says
+    how many runs it pools, and a retrace in any run counts. A group must
+    time the same contenders in every run that has it (else ValueError).
+    """
+    groups, order = {}, []
+    for rows in runs:
+        seen = {}
+        for row in rows:
+            key = (row["setting"], row["model"], row.get("micro_batch"))
+            seen.setdefault(key, {})[row["contender"]] = row
+            if (key, row["contender"]) not in order:
+                order.append((key, row["contender"]))
+        for key, group in seen.items():
+            groups.setdefault(key, []).append(group)
+    pooled = {}
+    for key, runs_of_group in groups.items():
+        if len(runs_of_group) == 1:
+            pooled.update({(key, n): row for n, row in runs_of_group[0].items()})
+            continue
+        names = [sorted(group) for group in runs_of_group]
+        if any(n != names[0] for n in names):
+            raise ValueError(
+                f"Cannot pool group {key}: its runs time different contenders. Received: {names}"
+            )
+        pooled.update({(key, n): _pooled_row(runs_of_group, n, steps) for n in names[0]})
+    return [pooled[item] for item in order]
+
+
+def _pooled_row(runs_of_group, name, steps):
+    timed = [g for g in runs_of_group if "samples" in g[name]]
+    if not timed:  # failed in every run: the first failure
+        return runs_of_group[0][name]
+    row = dict(timed[0][name])
+    samples = [s for g in timed for s in g[name]["samples"]]
+    pairs = {}
+    for g in timed:
+        ok = {n: r for n, r in g.items() if "samples" in r}
+        per_run = ratio_pairs(ok, {n: r["samples"] for n, r in ok.items()}, steps)[name]
+        for ratio, values in per_run.items():
+            if values is not None:
+                pairs.setdefault(ratio, []).extend(values)
+    median = statistics.median(samples)
+    row.update(
+        samples=samples,
+        seconds_per_micro_batch=median,
+        examples_per_second=row["micro_batch"] / median,
+        processes=len(timed),
+        ratios={r: _summary(pairs.get(r)) for r in timed[0][name]["ratios"]},
+    )
+    for field in [f for f in row if f.startswith("retraces")]:
+        counts = [g[name].get(field) for g in timed if g[name].get(field) is not None]
+        row[field] = max(counts) if counts else None
+    return row

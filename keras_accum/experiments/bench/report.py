@@ -19,6 +19,7 @@ RATIO_COLUMNS = (
     "vs big batch",
     "vs limit",
     "retraces",
+    "rounds",
 )
 SUMMARY_COLUMNS = ("target", "result", "numbers")
 TARGET_COLUMNS = ("target", "setting", "model", "b", "optimizer", "measured", "limit", "met")
@@ -76,6 +77,12 @@ def _b(row, config):
     return row.get("micro_batch") or config["micro_batch"]
 
 
+def _rounds(row):
+    """Rounds behind a row: "7", or "14 (2 runs)" when pooled."""
+    rounds, runs = len(row.get("samples", ())), row.get("processes", 1)
+    return str(rounds) if runs == 1 else f"{rounds} ({runs} runs)"
+
+
 def _ratio_section(result):
     lines = []
     for row in result["rows"]:
@@ -95,6 +102,7 @@ def _ratio_section(result):
                 _fmt_ratio(r["vs_big_batch"]),
                 _fmt_ratio(r["vs_limit"]),
                 row["retraces"],
+                _rounds(row),
             ]
         )
     return ["### Time per micro-batch and ratios", "", table(RATIO_COLUMNS, lines), ""]
@@ -251,8 +259,11 @@ def markdown(result, command=None):
     if result["rows"]:
         parts += [
             f"N = {config['steps']} micro-batches per window, b = examples per "
-            f"micro-batch, {config['repeats']} rounds; ratios are medians of "
-            "per-round ratios (quartiles in brackets); < 1 means faster.",
+            f"micro-batch, {config['repeats']} rounds per run; ratios are "
+            "medians of per-round ratios (quartiles in brackets); < 1 means "
+            "faster. A group timed in several runs (one process each, merged "
+            "with `--render`) pools the rounds of all of them, each ratio "
+            "taken within its own run (column *rounds*).",
             "",
         ]
     parts += _summary_section(result)

@@ -119,10 +119,15 @@ def attach_rss(result):
 
 def merge_results(results):
     """One result from several runs (e.g. one per setting, run one after
-    the other): rows and copies concatenated, the config's model, contender
-    and setting lists united, wall times summed; targets recomputed."""
+    the other): rows and copies concatenated, a group timed in several runs
+    pooled into one row per contender (`group.pool_runs`), the config's
+    model, contender and setting lists united, wall times summed; targets
+    recomputed. Runs of another window size `steps` are refused."""
     first = results[0]
     config = dict(first["config"])
+    steps = [result["config"]["steps"] for result in results]
+    if any(s != steps[0] for s in steps):
+        raise ValueError(f"Cannot merge runs with different `steps` (N). Received: steps={steps}")
     for key in ("models", "contenders", "settings", "limit_settings"):
         union = []
         for result in results:
@@ -134,7 +139,7 @@ def merge_results(results):
             first["machine"],
             load="; ".join(r["machine"].get("load", "?") for r in results),
         ),
-        "rows": [row for result in results for row in result["rows"]],
+        "rows": group.pool_runs([result["rows"] for result in results], steps[0]),
         "xla_copies": [c for result in results for c in result.get("xla_copies") or []],
         "rss": [r for result in results for r in result.get("rss") or []],
         "tensor_memory": [r for result in results for r in result.get("tensor_memory") or []],
