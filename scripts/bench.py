@@ -61,38 +61,63 @@ flags.DEFINE_string(
 )
 
 
+def _splice_target(bench, value):
+    """(FILE, SECTION) of --splice, the file checked before anything runs."""
+    path, colon, section = value.rpartition(":")
+    if not colon or not path or not section:
+        raise ValueError(f"`--splice` must be FILE:SECTION. Received: --splice={value!r}")
+    bench.check_splice(path, section)
+    return path, section
+
+
+def _load_results(path):
+    """A results.json of an earlier run, for --render."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as e:
+        raise ValueError(f"`--render`: cannot read {path!r}: {e.strerror}") from None
+    except ValueError as e:
+        raise ValueError(f"`--render`: {path!r} is not JSON ({e})") from None
+    needed = {"config", "machine", "rows", "seconds"}
+    if not isinstance(result, dict) or not needed <= set(result):
+        raise ValueError(
+            f"`--render`: {path!r} is not a benchmark's results.json (it needs the keys "
+            f"{sorted(needed)})."
+        )
+    return result
+
+
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
     from keras_accum.experiments import bench
 
+    # Every input is checked before anything is measured or written.
     try:
         overrides = bench_config.SCHEMA.flag_overrides(FLAGS)
         config = None if FLAGS.render else bench.BenchConfig(**overrides)
+        splice = _splice_target(bench, FLAGS.splice) if FLAGS.splice else None
+        if FLAGS.render:
+            # Same numbers, same commands: only the presentation is redone.
+            result = bench.merge_results([_load_results(p) for p in FLAGS.render.split(",")])
     except ValueError as e:
         sys.exit(f"error: {e}")
     if FLAGS.render:
-        # Same numbers, same commands: only the presentation is redone.
-        results = []
-        for path in FLAGS.render.split(","):
-            with open(path) as f:
-                results.append(json.load(f))
-        result = bench.merge_results(results)
         command = result["command"]
     else:
         result = bench.run(config)
         command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     report = bench.markdown(result, command)
     print(report)
-    if FLAGS.splice:
-        path, section = FLAGS.splice.rsplit(":", 1)
-        bench.splice_markdown(path, section, report)
-    if FLAGS.output and not FLAGS.render:
+    if FLAGS.output and not FLAGS.render:  # the measurements first
         bench.write_outputs(result, FLAGS.output, command)
         print(
             f"Wrote {FLAGS.output}/results.md, results.json, samples.csv, config.json",
             file=sys.stderr,
         )
+    if splice:
+        bench.splice_markdown(*splice, report)
 
 
 if __name__ == "__main__":

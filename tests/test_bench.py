@@ -11,7 +11,11 @@ MirroredStrategy. The target logic is checked on hand-made results.
 import csv
 import dataclasses
 import io
+import json
 import math
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -187,6 +191,59 @@ def test_pooling_refuses_runs_that_differ(result):
     other_steps = dict(result, config=dict(result["config"], steps=result["config"]["steps"] + 1))
     with pytest.raises(ValueError, match="different `steps`"):
         bench.merge_results([result, other_steps])
+
+
+BENCH_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+MARKED = "# Doc\n<!-- bench:main -->\nold\n<!-- /bench:main -->\n"
+
+
+def _bench_script(*args, cwd):
+    return subprocess.run(
+        [sys.executable, str(BENCH_SCRIPT), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, culprit",
+    [
+        (["--render=missing.json"], "cannot read 'missing.json'"),
+        (["--render=notes.md"], "'notes.md' is not JSON"),
+        (["--render=run.json,other_steps.json"], "different `steps`"),
+        (["--render=run.json", "--splice=BENCHMARKS.md"], "must be FILE:SECTION"),
+        (["--render=run.json", "--splice=notes.md:main"], "notes.md has no <!-- bench:main -->"),
+        # A timed run is refused before it measures or writes anything.
+        (["--quick", "--output=out", "--splice=notes.md:main"], "notes.md has no"),
+        (["--quick", "--output=out", "--splice=gone.md:main"], "cannot read 'gone.md'"),
+    ],
+    ids=lambda case: str(case)[:40],
+)
+def test_bench_script_refuses_bad_input_in_one_line(args, culprit, result, tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps(dict(result, command="run")))
+    other = dict(result, config=dict(result["config"], steps=result["config"]["steps"] + 1))
+    (tmp_path / "other_steps.json").write_text(json.dumps(dict(other, command="other")))
+    (tmp_path / "notes.md").write_text("# Notes\nno markers\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    done = _bench_script(*args, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and culprit in last, done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+    assert (tmp_path / "notes.md").read_text() == "# Notes\nno markers\n"
+
+
+def test_bench_script_renders_and_splices_a_saved_run(result, tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps(dict(result, command="python bench.py")))
+    (tmp_path / "doc.md").write_text(MARKED)
+    done = _bench_script("--render=run.json,run.json", "--splice=doc.md:main", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = (tmp_path / "doc.md").read_text()
+    assert text.startswith("# Doc\n<!-- bench:main -->\n") and "old" not in text
+    assert "(2 runs) |" in text and text.endswith("<!-- /bench:main -->\n")
 
 
 def test_memory_targets_are_met_exactly(result):

@@ -295,15 +295,27 @@ def write_outputs(result, directory, command=None):
                 writer.writerow([row["setting"], row["model"], b, row["contender"], i, value])
 
 
+def check_splice(path, section):
+    """The content of `path` if it has the `bench:SECTION` markers that
+    `splice_markdown` writes between, else ValueError (one line, naming
+    the file): checked before a run, so that a typo costs no measurement."""
+    begin, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
+    try:
+        with open(path) as f:
+            content = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {path!r} for --splice: {e.strerror}") from None
+    if begin not in content or end not in content:
+        raise ValueError(f"{path} has no {begin} ... {end} section.")
+    return content
+
+
 def splice_markdown(path, section, text):
     """Replaces the text between `<!-- bench:SECTION -->` and
     `<!-- /bench:SECTION -->` in `path` (BENCHMARKS.md) with `text`, so that
     the numbers there are the script's output, never edited by hand."""
     begin, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
-    with open(path) as f:
-        content = f.read()
-    if begin not in content or end not in content:
-        raise ValueError(f"{path} has no {begin} ... {end} section.")
+    content = check_splice(path, section)
     head, rest = content.split(begin, 1)
     _, tail = rest.split(end, 1)
     with open(path, "w") as f:
