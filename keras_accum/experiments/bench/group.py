@@ -236,8 +236,8 @@ def _pooled_row(runs_of_group, name, steps):
     samples = [s for g in timed for s in g[name]["samples"]]
     pairs = {}
     for g in timed:
-        ok = {n: r for n, r in g.items() if "samples" in r}
-        per_run = ratio_pairs(ok, {n: r["samples"] for n, r in ok.items()}, steps)[name]
+        rows = {n: r for n, r in g.items() if "samples" in r}  # failed ones left out
+        per_run = ratio_pairs(rows, {n: r["samples"] for n, r in rows.items()}, steps)[name]
         for ratio, values in per_run.items():
             if values is not None:
                 pairs.setdefault(ratio, []).extend(values)
