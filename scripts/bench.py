@@ -20,6 +20,10 @@ The same groups run again in another process (e.g. `--norss
 --noxla_copies`, timing only) and rendered with the first run pool their
 rounds: a ratio then stands for both processes.
 
+On a machine with a GPU the one-replica groups run on it (rows "graph on
+GPU"); rendered with CPU runs, they stand beside the CPU rows, never pooled
+with them.
+
 Every key of the benchmark's config is a flag (`--models=cnn,mlp`,
 `--repeats=5`, `--norss`, ...; see `--help`). What is measured and how: the
 docstring of `keras_accum/experiments/bench/`.

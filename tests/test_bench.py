@@ -40,6 +40,16 @@ def result():
     return bench.run(CONFIG)
 
 
+def test_rows_and_machine_name_the_device(result):
+    # One-replica groups run where TensorFlow places the step: the GPU when
+    # it sees one (the names in "accelerator"), else the CPU.
+    gpus = tf.config.list_physical_devices("GPU")
+    accelerator = result["machine"]["accelerator"]
+    assert (accelerator == "none") == (not gpus)
+    assert accelerator.count("GPU:") == len(gpus)
+    assert {row["device"] for row in result["rows"]} == {"gpu" if gpus else "cpu"}
+
+
 def test_every_contender_has_finite_positive_ratios(result):
     rows = {row["contender"]: row for row in result["rows"]}
     assert set(rows) == set(CONFIG.contenders)
@@ -139,6 +149,8 @@ def _run_rows(samples, steps, retraces=0):
             "contender": name,
             "role": ROLES.get(name, "ours"),
             "samples": list(values),
+            "seconds_per_micro_batch": float(np.median(values)),
+            "examples_per_second": 32 / float(np.median(values)),
             "retraces": retraces,
             "retraces_learning_rate": 0,
         }
@@ -182,6 +194,58 @@ def test_pooled_ratios_are_medians_over_every_runs_rounds():
         alone = first["gradient_accumulation"]["ratios"][key]["median"]
         assert ga["ratios"][key]["median"] != pytest.approx(alone)
     assert ga["ratios"]["vs_big_batch"] is None  # no big_batch in either run
+
+
+def test_a_gpu_run_is_reported_beside_the_cpu_run_never_pooled_with_it():
+    # The same group timed on the CPU and, in a run on a GPU machine, on the
+    # GPU: two groups, each ratio from its own device's rounds, each target
+    # case against the Keras row of its own device, both machines named.
+    steps = 4
+    cpu = {"keras_accumulation": [2.0, 2.0, 2.0], "gradient_accumulation": [1.0, 3.0, 2.2]}
+    gpu = {"keras_accumulation": [1.0, 1.0], "gradient_accumulation": [0.5, 0.7]}
+    config = {"models": ["mlp"], "contenders": list(cpu), "settings": ["graph"]}
+    config.update(limit_settings=[], micro_batch=32, steps=steps, repeats=3)
+    gpu_rows = [dict(row, device="gpu") for row in _run_rows(gpu, steps)]
+    machine = {"nproc": 2, "cpu": "AMD EPYC", "accelerator": "none", "load": "1"}
+    machine.update(tensorflow="2", keras="3", python="3", keras_accum="0", platform="Linux")
+    runs = [
+        {"config": config, "machine": machine, "rows": _run_rows(cpu, steps), "seconds": 1.0},
+        {
+            "config": config,
+            "machine": dict(machine, nproc=16, cpu="Xeon", accelerator="GPU:0 NVIDIA H100"),
+            "rows": gpu_rows,
+            "seconds": 1.0,
+        },
+    ]
+    merged = bench.merge_results(runs)
+    assert len(merged["rows"]) == 4 and all("processes" not in r for r in merged["rows"])
+    ga = {bench.device_of(r): r for r in merged["rows"] if r["contender"] != "keras_accumulation"}
+    for device, samples in (("cpu", cpu), ("gpu", gpu)):
+        expected = np.array(samples["gradient_accumulation"]) / samples["keras_accumulation"]
+        ratio = ga[device]["ratios"]["vs_keras_accumulation"]["median"]
+        assert ratio == pytest.approx(np.median(expected))
+    cases = {t["setting"]: t for t in merged["targets"] if t["target"] == "ga_vs_keras"}
+    assert set(cases) == {"graph", "graph on GPU"}
+    assert cases["graph"]["value"] == pytest.approx(1.1) and not cases["graph"]["met"]
+    assert cases["graph on GPU"]["value"] == pytest.approx(0.6) and cases["graph on GPU"]["met"]
+    text = bench.markdown(merged)
+    assert "| graph on GPU | mlp | 32 | gradient_accumulation |" in text
+    assert "* `nproc`: 2; CPU: AMD EPYC\n" in text
+    assert "* `nproc`: 16; CPU: Xeon; GPU: GPU:0 NVIDIA H100\n" in text
+    # Peak tensor memory lands on the row of its own device.
+    tensors = [
+        {"model": "mlp", "contender": "gradient_accumulation", "setting": "graph", "peak_mb": mb}
+        for mb in (10.0, 20.0)
+    ]
+    tensors[1]["device"] = "gpu"
+    with_memory = dict(runs[0], rows=[], tensor_memory=tensors, seconds=1.0)
+    merged = bench.merge_results(runs + [with_memory])
+    peaks = {
+        bench.device_of(r): r["tensor_memory"]["peak_mb"]
+        for r in merged["rows"]
+        if "tensor_memory" in r
+    }
+    assert peaks == {"cpu": 10.0, "gpu": 20.0}
 
 
 def test_pooling_refuses_runs_that_differ(result):
@@ -410,6 +474,7 @@ def test_peak_tensor_memory_worker_counts_the_optimizer_state():
     result = bench.run_worker(dict(task, setting="graph"), CONFIG.resolved())
     assert result["per_param"] >= 8.0
     assert result["setting"] == "graph"
+    assert result["device"] == ("gpu" if tf.config.list_physical_devices("GPU") else "cpu")
 
 
 def test_merge_puts_peak_tensor_memory_on_its_setting_row_with_a_verdict():

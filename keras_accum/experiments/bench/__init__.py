@@ -37,6 +37,11 @@ How a time is taken (`runner`, `group`):
 * Under MirroredStrategy the cross-replica reductions are counted while
   tracing, split into those that run every micro-step and those inside a
   conditional (the window's end).
+* Each row records its device (`config.run_device`): a one-replica group
+  runs on the GPU when TensorFlow sees one, MirroredStrategy groups on
+  logical CPUs. A group is one device, setting, model and micro-batch
+  size: pooling, references and targets never cross devices, and the
+  report shows a GPU group's setting as "graph on GPU".
 * Optimizer memory is the sum of the sizes of `optimizer.variables`, scalars
   excluded, per trainable parameter; peak RSS (VmHWM) and the XLA copies of
   the compiled step are taken in a fresh subprocess per (model, contender),
@@ -50,7 +55,14 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from keras_accum.experiments.bench.config import SETTINGS, BenchConfig, Setting  # noqa: E402
+from keras_accum.experiments.bench.config import (  # noqa: E402
+    SETTINGS,
+    BenchConfig,
+    Setting,
+    device_of,
+    place,
+    run_device,
+)
 from keras_accum.experiments.bench.contenders import (  # noqa: E402
     CONTENDERS,
     Contender,
@@ -98,14 +110,17 @@ __all__ = [
     "WORKLOADS",
     "Workload",
     "check_splice",
+    "device_of",
     "cost_rows",
     "evaluate_targets",
     "machine_info",
     "markdown",
     "merge_results",
     "modelled_bytes",
+    "place",
     "register",
     "run",
+    "run_device",
     "run_group",
     "run_worker",
     "splice_markdown",

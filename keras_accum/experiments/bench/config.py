@@ -163,5 +163,31 @@ class BenchConfig:
         return cls(**{k: v for k, v in fields.items() if k in known})
 
 
+def run_device(setting):
+    """Where a group in `setting` runs in this process: "gpu" when
+    TensorFlow sees a GPU and the setting has one replica (TensorFlow then
+    places the whole step on GPU:0), else "cpu" (MirroredStrategy is given
+    logical CPUs, also on a machine with a GPU)."""
+    import tensorflow as tf
+
+    if SETTINGS[setting].replicas == 1 and tf.config.list_physical_devices("GPU"):
+        return "gpu"
+    return "cpu"
+
+
+def device_of(row):
+    """The device a row (or a memory or copy measurement) was taken on;
+    results written before devices were recorded ran on the CPU."""
+    return row.get("device") or "cpu"
+
+
+def place(row):
+    """The setting as the report shows it: "graph" on the CPU, "graph on
+    GPU" for a group timed on a GPU (its rows are never pooled or compared
+    with the CPU's)."""
+    setting = row.get("setting", "-")
+    return setting if device_of(row) == "cpu" else f"{setting} on {device_of(row).upper()}"
+
+
 def log(message):
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

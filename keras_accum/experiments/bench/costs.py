@@ -22,6 +22,8 @@ line.
 
 import statistics
 
+from keras_accum.experiments.bench.config import device_of
+
 COST_MODEL = {
     # m += (g-m)(1-b1); v += (g^2-v)(1-b2); theta -= m alpha/(sqrt v + eps)
     "adam": {"fused": (28, 28, 0), "ops": (120, 120, 0)},
@@ -81,8 +83,9 @@ def _cost_line(model, name, row, base, steps):
 
 def cost_rows(result, setting="graph"):
     """Modelled bytes beside the measured optimizer time, per model in
-    `setting` at the main micro-batch: optimizer time = t(contender) -
-    t(gradients_only), per parameter."""
+    `setting` at the main micro-batch on the CPU (the model counts passes
+    over host memory): optimizer time = t(contender) - t(gradients_only),
+    per parameter."""
     config = result["config"]
     lines = []
     for model in config["models"]:
@@ -90,6 +93,7 @@ def cost_rows(result, setting="graph"):
             r["contender"]: r
             for r in result["rows"]
             if r["setting"] == setting
+            and device_of(r) == "cpu"
             and r["model"] == model
             and r.get("micro_batch", config["micro_batch"]) == config["micro_batch"]
             and "seconds_per_micro_batch" in r

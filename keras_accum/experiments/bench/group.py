@@ -15,7 +15,7 @@ import statistics
 import tensorflow as tf
 
 from keras_accum.experiments.bench import runner as runner_lib
-from keras_accum.experiments.bench.config import SETTINGS, log
+from keras_accum.experiments.bench.config import SETTINGS, device_of, log, run_device
 from keras_accum.experiments.bench.contenders import CONTENDERS
 from keras_accum.experiments.bench.workloads import WORKLOADS
 
@@ -32,9 +32,11 @@ def _build(rows, model_name, setting, config, micro_batch, strategy):
     (e.g. Keras's accumulation under MirroredStrategy, keras#20582)."""
     runners = {}
     tag = f"{setting.name}/{model_name}/b={micro_batch}"
+    device = run_device(setting.name)
     for name in config.contenders:
         contender = CONTENDERS[name]
         row = rows[name] = {
+            "device": device,
             "setting": setting.name,
             "model": model_name,
             "micro_batch": micro_batch,
@@ -203,12 +205,14 @@ def pool_runs(runs, steps):
     ratios of every run, each taken within its own run; `processes` says
     how many runs it pools, and a retrace in any run counts. A group must
     time the same contenders in every run that has it (else ValueError).
+    A group is one device, setting, model and micro-batch size: the same
+    group timed on a GPU and on the CPU stays two groups.
     """
     groups, order = {}, []
     for rows in runs:
         seen = {}
         for row in rows:
-            key = (row["setting"], row["model"], row.get("micro_batch"))
+            key = (device_of(row), row["setting"], row["model"], row.get("micro_batch"))
             seen.setdefault(key, {})[row["contender"]] = row
             if (key, row["contender"]) not in order:
                 order.append((key, row["contender"]))

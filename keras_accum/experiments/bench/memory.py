@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_accum.experiments.bench.config import SETTINGS
+from keras_accum.experiments.bench.config import SETTINGS, run_device
 from keras_accum.experiments.bench.contenders import CONTENDERS
 from keras_accum.experiments.bench.runner import FitRunner
 from keras_accum.experiments.bench.workloads import WORKLOADS
@@ -52,7 +52,12 @@ def measure_rss(model_name, contender_name, config):
     )
     runner.call(2)
     _, peak = memory_mb()
-    return {"baseline_mb": baseline, "peak_mb": peak, "bytes_per_param": runner.bytes_per_param}
+    return {
+        "device": run_device("graph"),
+        "baseline_mb": baseline,
+        "peak_mb": peak,
+        "bytes_per_param": runner.bytes_per_param,
+    }
 
 
 def measure_tensor_memory(model_name, contender_name, setting_name, config):
@@ -64,13 +69,16 @@ def measure_tensor_memory(model_name, contender_name, setting_name, config):
     processes agree to about 2% on the 4.2M-parameter MLP (the order in
     which TensorFlow runs independent ops moves the peak; the RSS varies by
     tens of MB); on a tiny model one unrelated buffer alive at the peak or
-    not can double it."""
+    not can double it. With a GPU, the step's tensors live there and its
+    allocator is read instead."""
+    device = run_device(setting_name)
+    allocator = "GPU:0" if device == "gpu" else "CPU:0"
     workload = WORKLOADS[model_name]
     keras.utils.set_random_seed(config.seed)
     x, _ = workload.data(1, config.quick, np.random.default_rng(config.seed))
     workload.build(config.quick)(x)
-    baseline = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    baseline = tf.config.experimental.get_memory_info(allocator)["current"]
+    tf.config.experimental.reset_memory_stats(allocator)
     runner = FitRunner(
         workload,
         CONTENDERS[contender_name],
@@ -80,8 +88,13 @@ def measure_tensor_memory(model_name, contender_name, setting_name, config):
         config.micro_batch,
     )
     runner.call(2)
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - baseline
-    return {"setting": setting_name, "peak_mb": peak / 2**20, "per_param": peak / runner.params}
+    peak = tf.config.experimental.get_memory_info(allocator)["peak"] - baseline
+    return {
+        "device": device,
+        "setting": setting_name,
+        "peak_mb": peak / 2**20,
+        "per_param": peak / runner.params,
+    }
 
 
 # A copy instruction's output shape, e.g. "%copy.3 = f32[1024,2048]{1,0} copy(".
@@ -141,4 +154,6 @@ def measure_xla_copies(model_name, contender_name, config, dump_dir):
         raise RuntimeError(f"No optimised HLO dumped under {dump_dir}.")
     with open(files[-1]) as f:
         counts = count_copies(f)
-    return {key: value / runner.params for key, value in counts.items()}
+    return dict(
+        {key: value / runner.params for key, value in counts.items()}, device=run_device("xla")
+    )

@@ -4,6 +4,7 @@ import csv
 import json
 import os
 
+from keras_accum.experiments.bench.config import device_of, place
 from keras_accum.experiments.bench.costs import cost_rows
 from keras_accum.experiments.bench.targets import TARGETS, summarize
 
@@ -86,7 +87,7 @@ def _rounds(row):
 def _ratio_section(result):
     lines = []
     for row in result["rows"]:
-        head = [row["setting"], row["model"], _b(row, result["config"]), row["contender"]]
+        head = [place(row), row["model"], _b(row, result["config"]), row["contender"]]
         if "error" in row:
             failed = "failed: " + row["error"][:120]
             lines.append(head + [failed] + ["-"] * (len(RATIO_COLUMNS) - 5))
@@ -138,6 +139,12 @@ def _targets_section(result):
     return ["### Targets, case by case", "", table(TARGET_COLUMNS, lines), ""]
 
 
+def _model_on(row):
+    """The model, and the device when it is not the CPU."""
+    device = device_of(row)
+    return row["model"] if device == "cpu" else f"{row['model']} ({device.upper()})"
+
+
 def _memory_section(result):
     config = result["config"]
     lines = []
@@ -153,14 +160,15 @@ def _memory_section(result):
                 for r in result["rows"]
                 if r["setting"] == "xla"
                 and _b(r, config) == config["micro_batch"]
-                and (r["model"], r["contender"]) == (row["model"], row["contender"])
+                and (device_of(r), r["model"], r["contender"])
+                == (device_of(row), row["model"], row["contender"])
             ),
             {},
         )
         tensors = row.get("tensor_memory") or {}
         lines.append(
             [
-                row["model"],
+                _model_on(row),
                 row["contender"],
                 f"{row['bytes_per_param']:.2f}",
                 f"{row['bytes_per_param'] / 4:.2f}",
@@ -221,11 +229,11 @@ def _copies_section(result):
     lines = []
     for c in result.get("xla_copies") or ():
         if "error" in c:
-            lines.append([c["model"], c["contender"], "failed", "-", "-"])
+            lines.append([_model_on(c), c["contender"], "failed", "-", "-"])
             continue
         entry, branches, other = c["entry"], c["branches"], c.get("other", 0)
         lines.append(
-            [c["model"], c["contender"], f"{entry:.2f}", f"{branches:.2f}", f"{other:.2f}"]
+            [_model_on(c), c["contender"], f"{entry:.2f}", f"{branches:.2f}", f"{other:.2f}"]
         )
     if not lines:
         return []
@@ -233,12 +241,25 @@ def _copies_section(result):
     return [title, "", table(COPY_COLUMNS, lines), ""]
 
 
+def _hardware(machine):
+    """`nproc`, CPU and GPU of one machine, one line."""
+    line = f"`nproc`: {machine.get('nproc', '?')}; CPU: {machine.get('cpu', '?')}"
+    accelerator = machine.get("accelerator") or "none"
+    return line + ("" if accelerator == "none" else f"; GPU: {accelerator}")
+
+
 def _machine_section(result, command):
     machine = result["machine"]
+    # A merged report may hold runs made on different machines (a GPU run
+    # beside CPU runs): each distinct one is named.
+    hardware = []
+    for one in result.get("machines") or [machine]:
+        if _hardware(one) not in hardware:
+            hardware.append(_hardware(one))
     parts = [
         "### Machine",
         "",
-        f"* `nproc`: {machine['nproc']}; CPU: {machine['cpu']}",
+        *(f"* {line}" for line in hardware),
         f"* TensorFlow {machine['tensorflow']}, Keras {machine['keras']}, "
         f"Python {machine['python']}, keras_accum {machine['keras_accum']}",
         f"* {machine['platform']}",

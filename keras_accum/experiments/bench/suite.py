@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum.experiments.bench import group, worker
-from keras_accum.experiments.bench.config import SETTINGS, BenchConfig, log
+from keras_accum.experiments.bench.config import SETTINGS, BenchConfig, device_of, log
 from keras_accum.experiments.bench.targets import OURS, evaluate_targets
 
 
@@ -28,6 +28,7 @@ def machine_info():
     return {
         "nproc": os.cpu_count(),
         "cpu": cpu,
+        "accelerator": accelerators(),
         "load": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
         "python": platform.python_version(),
         "tensorflow": tf.__version__,
@@ -35,6 +36,16 @@ def machine_info():
         "keras_accum": ka.__version__,
         "platform": platform.platform(),
     }
+
+
+def accelerators():
+    """The GPUs TensorFlow sees, by name ("none" without one): groups with
+    one replica run there (`config.run_device`)."""
+    names = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        names.append(f"{gpu.name.split(':', 1)[-1]} {details.get('device_name', '')}".strip())
+    return ", ".join(names) or "none"
 
 
 def _timed_rows(config):
@@ -101,16 +112,17 @@ def run(config=None):
 def attach_rss(result):
     """Puts each peak-RSS measurement on its graph-mode row at the main
     micro-batch, each peak tensor memory on its setting's row there (the
-    memory table and targets read them there)."""
-    found = {(r["model"], r["contender"]): r for r in result.get("rss") or []}
+    memory table and targets read them there), on the same device."""
+    found = {(device_of(r), r["model"], r["contender"]): r for r in result.get("rss") or []}
     tensors = {
-        (r.get("setting"), r["model"], r["contender"]): r for r in result.get("tensor_memory") or []
+        (r.get("setting"), device_of(r), r["model"], r["contender"]): r
+        for r in result.get("tensor_memory") or []
     }
     b = result["config"]["micro_batch"]
     for row in result["rows"]:
         if row.get("micro_batch", b) != b:
             continue
-        key = (row["model"], row["contender"])
+        key = (device_of(row), row["model"], row["contender"])
         if row["setting"] == "graph" and key in found:
             row["rss"] = found[key]
         if (row["setting"], *key) in tensors:
@@ -139,6 +151,7 @@ def merge_results(results):
             first["machine"],
             load="; ".join(r["machine"].get("load", "?") for r in results),
         ),
+        "machines": [m for r in results for m in r.get("machines") or [r["machine"]]],
         "rows": group.pool_runs([result["rows"] for result in results], steps[0]),
         "xla_copies": [c for result in results for c in result.get("xla_copies") or []],
         "rss": [r for result in results for r in result.get("rss") or []],

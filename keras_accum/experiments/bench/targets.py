@@ -6,7 +6,7 @@ and whether it is met (True / False; None when it cannot be measured, with
 the reason in "note"). `summarize` folds the cases into one line per target.
 """
 
-from keras_accum.experiments.bench.config import SETTINGS
+from keras_accum.experiments.bench.config import SETTINGS, device_of, place
 
 # id -> (what the issue asks, unit of the value).
 TARGETS = {
@@ -43,7 +43,7 @@ def _case(target, row, value, threshold, met=None, note=""):
         met = value <= threshold
     return {
         "target": target,
-        "setting": row.get("setting", "-"),
+        "setting": place(row),
         "model": row["model"],
         "micro_batch": row.get("micro_batch"),
         "contender": row["contender"],
@@ -68,7 +68,7 @@ def _why_missing(row, rows, role):
 
 def _same_group(a, b):
     keys = ("setting", "model", "micro_batch")
-    return all(a.get(k) == b.get(k) for k in keys)
+    return device_of(a) == device_of(b) and all(a.get(k) == b.get(k) for k in keys)
 
 
 def _single_device(row):
@@ -120,13 +120,16 @@ def _retrace_cases(rows):
 
 def _memory_cases(rows, config):
     """Optimizer state and peak RSS (graph, main micro-batch) against
-    Keras's accumulation on the same model; InvariantAdam's two slots."""
+    Keras's accumulation on the same model and device; InvariantAdam's two
+    slots."""
     cases = []
-    for model in config["models"]:
+    devices = sorted({device_of(r) for r in rows})
+    for device, model in ((d, m) for d in devices for m in config["models"]):
         group = {
             r["contender"]: r
             for r in rows
             if r["model"] == model
+            and device_of(r) == device
             and r["setting"] == "graph"
             and r.get("micro_batch", config["micro_batch"]) == config["micro_batch"]
         }
@@ -193,17 +196,20 @@ def _copy_cases(copies):
     Adam's on the same model (layout copies of the model's own step)."""
     cases = []
     per_step = {
-        (c["model"], c["contender"]): c["entry"] + c["branches"] for c in copies if "error" not in c
+        (device_of(c), c["model"], c["contender"]): c["entry"] + c["branches"]
+        for c in copies
+        if "error" not in c
     }
     for c in copies:
         if c["contender"] not in OURS:
             continue
         row = {"setting": "xla", "model": c["model"], "contender": c["contender"]}
+        row["device"] = device_of(c)
         if "error" in c:
             cases.append(_case("xla_copies", row, None, COPY_ALLOWANCE, note=c["error"]))
             continue
-        adam = per_step.get((c["model"], "adam"))
-        value = per_step[(c["model"], c["contender"])] - (adam or 0.0)
+        adam = per_step.get((device_of(c), c["model"], "adam"))
+        value = per_step[(device_of(c), c["model"], c["contender"])] - (adam or 0.0)
         note = "" if adam is not None else "plain Adam's copies not measured: not subtracted"
         cases.append(_case("xla_copies", row, value, COPY_ALLOWANCE, note=note))
     return cases
