@@ -45,6 +45,9 @@ Non-finite gradients are governed by `nonfinite`:
   (NaN and Inf propagate into a sum), not every micro-batch: it is what
   the big batch the window stands for would do.
 * `"raise"`: `tf.errors.InvalidArgumentError` at the first non-finite value.
+  Not under XLA (`jit_compile=True`, Keras's default on a GPU), which drops
+  the check: there the step is refused with a one-line ValueError when it
+  is traced.
 * `None`: no check (fastest; a NaN then propagates as in plain Keras).
 
 State, field by field (creation order is the checkpoint format):
@@ -56,6 +59,7 @@ in the current window, for `"skip_window"`), then each subclass's slots.
 
 import collections
 import contextlib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -196,6 +200,8 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
 
     def build(self, var_list):
+        # What a saved, never-built instance holds (see `load_own_variables`).
+        self._unbuilt_count = len(self.variables)
         super().build(var_list)
         self._micro_step = self.add_variable(
             (),
@@ -264,22 +270,31 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
 
     # -- counters -----------------------------------------------------------
 
+    # Before the optimizer is built (its first `apply`, or `build`) the
+    # counters read 0, as Keras's `iterations` does.
+
     @property
     def micro_step(self):
         """Number of `apply` calls so far (micro-batches per replica)."""
-        return self._micro_step
+        return self._counter("_micro_step")
 
     @property
     def skipped_micro_batches(self):
-        return self._skipped_micro_batches
+        return self._counter("_skipped_micro_batches")
 
     @property
     def skipped_updates(self):
-        return self._skipped_updates
+        return self._counter("_skipped_updates")
+
+    def _counter(self, name):
+        counter = getattr(self, name, None)
+        return tf.constant(0, "int64") if counter is None else counter
 
     def has_updated(self):
         """True when the last `apply` call ended a window (an update was
         applied, or dropped under a `skip_*` policy and counted)."""
+        if not self.built:
+            return tf.constant(False)
         step = self._micro_step
         return tf.logical_and(step > 0, self._window_done(step))
 
@@ -430,6 +445,7 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
     def _drop_window(self, distribution, variables, dropped=None):
         """After a dropped update (where `dropped` holds, under XLA): leave
         no non-finite window state behind. Nothing by default."""
+        return None
 
     def _finish_update(self, distribution, variables):
         """After an update, in Keras's order: EMA of the weights (and its
@@ -463,6 +479,14 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         if self.nonfinite is None:
             return grads, None
         if self.nonfinite == "raise":
+            if in_xla():
+                # XLA drops `check_numerics`: the run would go on with NaN.
+                raise ValueError(
+                    f"{self.name}: `nonfinite='raise'` cannot raise in XLA-compiled "
+                    "code, where TensorFlow drops the check; use 'skip_micro_batch', "
+                    "'skip_window' or None, or compile without XLA. Received: "
+                    "nonfinite='raise' with jit_compile=True"
+                )
             message = f"{self.name}: non-finite gradient (nonfinite='raise')"
             return [tf.debugging.check_numerics(g, message) for g in grads], None
         ok = all_finite(grads)
@@ -497,15 +521,51 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         # Keras skips loading, with a mere warning, when the saved optimizer
         # has another number of variables (e.g. a changed `steps`): the run
         # would silently restart its moments and lose the window in progress.
-        if len(store.keys()) != len(self.variables):
-            raise ValueError(
-                f"Cannot restore optimizer '{self.name}': it has "
-                f"{len(self.variables)} variables, the saved state has "
-                f"{len(store.keys())}. Was it saved with another `steps` or "
-                "another optimizer? Rebuild it as saved, or load the model "
-                "without its optimizer (`compile=False`)."
+        saved = len(store.keys())
+        if saved == len(self.variables):
+            super().load_own_variables(store)
+        elif not self.built:
+            # `load_weights` into a model compiled but not trained yet: the
+            # state is restored when the optimizer is built (its first step).
+            self._deferred_state = [np.array(store[str(i)]) for i in range(saved)]
+        elif saved == getattr(self, "_unbuilt_count", None):
+            warnings.warn(
+                f"Optimizer '{self.name}' was saved before its first step: no "
+                "state to restore, it starts afresh.",
+                stacklevel=2,
             )
-        super().load_own_variables(store)
+        else:
+            raise self._mismatch(saved)
+
+    def _mismatch(self, saved):
+        return ValueError(
+            f"Cannot restore optimizer '{self.name}': it has {len(self.variables)} "
+            f"variables, the saved state has {saved}. Was it saved with another "
+            "`steps` or another optimizer? Rebuild it as saved, or leave the "
+            "optimizer's state out (`load_model(..., compile=False)`, "
+            "`load_weights(..., skip_mismatch=True)`)."
+        )
+
+    def _restore_deferred_state(self):
+        """End of `build`: the state `load_own_variables` kept for later."""
+        state = getattr(self, "_deferred_state", None)
+        if state is None:
+            return
+        self._deferred_state = None
+        if len(state) == self._unbuilt_count:
+            return  # saved before its first step: nothing to restore
+        if len(state) != len(self.variables):
+            # Too late to raise where `load_weights(skip_mismatch=True)` could
+            # catch it: skip loudly, as Keras does (e.g. pretrained layer
+            # weights saved with another optimizer).
+            warnings.warn(
+                f"{self._mismatch(len(state))} Its saved state is skipped: it starts afresh.",
+                stacklevel=2,
+            )
+            return
+        with tf.init_scope():  # once, eagerly, also when built while tracing
+            for variable, value in zip(self.variables, state):
+                variable.assign(value)
 
     def get_config(self):
         config = super().get_config()

@@ -109,7 +109,9 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     divided its summed loss by (tokens with nonzero weight, items), and the
     window mean is sum_r D_r g_r / sum_r D_r: exactly the big batch, on one
     device or across replicas. Needs one loss for token means. Call it after
-    `compile`. Returns `model`.
+    `compile`; it holds through later `compile` calls (the loss is read when
+    the step is traced), not through `keras.models.load_model`, which
+    builds a new model: call it again there. Returns `model`.
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a `keras.Model`. Received: model={model!r}")
@@ -118,12 +120,14 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
             "`weigh_micro_batches` must be called after `model.compile`. "
             f"Received: model={model.name!r} (not compiled)"
         )
-    reduction = _reduction(model)
+    _reduction(model)  # refuse a loss it cannot weigh now, not at the first step
     original_step, original_loss = model.train_step, model.compute_loss
     pass_training = getattr(model, "_compute_loss_has_training_arg", True)
 
     def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
         if getattr(_fit_items, "active", False):
+            # The loss as compiled now: a later `compile` may change it.
+            reduction = _reduction(model)
             _fit_items.value = loss_denominator(reduction, x, y_pred, sample_weight)
             _fit_items_by_replica[_replica_id()] = _fit_items.value
         if pass_training:
@@ -239,6 +243,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
         ]
         self._weight = self.add_local_variable((), "float32", "weight")
         self.inner_optimizer.build(var_list)
+        self._restore_deferred_state()
 
     @property
     def variables(self):

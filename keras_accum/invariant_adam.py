@@ -122,6 +122,7 @@ class InvariantAdam(AdamFamily):
                 self.add_local_variable(var.shape, var.dtype, "velocity", reference=var)
             )
         self._build_scaling()
+        self._restore_deferred_state()
 
     def _accumulate(self, distribution, grads, variables, weight, start):
         distribution.extended.call_for_each_replica(self._fold, args=(grads, variables, start))

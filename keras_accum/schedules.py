@@ -31,7 +31,7 @@ from typing import Any
 import tensorflow as tf
 from keras import initializers, saving
 
-from keras_accum.validation import check_choice, check_int
+from keras_accum.validation import check_choice, check_int, is_integer
 
 SCALING_RULES = ("invariant", "power", None)
 
@@ -187,10 +187,11 @@ class AdaptiveSteps(StepsSchedule):
         """The value `observe(b_simple)` would set (no state change)."""
         self._check_built()
         b = tf.cast(b_simple, tf.float64)
+        as_b = lambda x: tf.constant(x, tf.float64)  # traced, a Python float is float32
         target = tf.math.ceil(b / self.micro_batch_size)
-        target = tf.where(tf.math.is_inf(b) & (b > 0), float(self.max_steps), target)
-        target = tf.clip_by_value(target, float(self.min_steps), float(self.max_steps))
-        target = tf.cast(tf.where(tf.math.is_nan(b), 0.0, target), tf.int64)
+        target = tf.where(tf.math.is_inf(b) & (b > 0), as_b(self.max_steps), target)
+        target = tf.clip_by_value(target, as_b(self.min_steps), as_b(self.max_steps))
+        target = tf.cast(tf.where(tf.math.is_nan(b), as_b(0.0), target), tf.int64)
         # Never decreasing; nan leaves the current value.
         return tf.maximum(tf.convert_to_tensor(self._steps), target)
 
@@ -273,7 +274,7 @@ def _int_list(name, values, minimum):
         raise ValueError(
             f"`{name}` must be a list of integers >= {minimum}. Received: {name}={values!r}"
         )
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values):
+    if not all(is_integer(v) and v >= minimum for v in values):
         raise ValueError(
             f"`{name}` must be a list of integers >= {minimum}. Received: {name}={values!r}"
         )

@@ -72,6 +72,7 @@ class UpdateAccumulationAdam(AdamFamily):
         slots = self.add_optimizer_variables(var_list, slots)
         self._momentums, self._velocities = slots[0], slots[1]
         self._updates = slots[2] if buffered else None
+        self._restore_deferred_state()
 
     def _accumulate(self, distribution, grads, variables, weight, start):
         # Moments are shared: reduce the gradient every micro-step (SUM of the

@@ -32,10 +32,16 @@ from typing import Any
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
-    """`value` as an int >= `minimum` (bools refused), else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """`value` as an int >= `minimum` (bools refused; numpy integers
+    accepted), else ValueError."""
+    if isinstance(value, bool) or not is_integer(value) or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
     return int(value)
+
+
+def is_integer(value: Any) -> bool:
+    """True for a Python or numpy integer, not for a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -135,16 +135,26 @@ MAKERS = {
 }
 
 
-@pytest.mark.parametrize("name", MAKERS)
-def test_save_and_load_mid_window_continues_exactly(name, tmp_path):
-    first, rest = (X[:8], Y[:8]), (X[8:24], Y[8:24])  # 2 then 4 micro-batches
+REST = (X[8:24], Y[8:24])  # 4 micro-batches after the first 2
+
+
+def saved_mid_window(name, save):
+    """A model trained 2 micro-batches into a window of 4, saved there by
+    `save(model)`, then trained on `REST`."""
     model = build_model()
     model.compile(optimizer=MAKERS[name](), loss="mse")
-    model.fit(*first, batch_size=4, shuffle=False, verbose=0)
+    model.fit(X[:8], Y[:8], batch_size=4, shuffle=False, verbose=0)
     assert int(model.optimizer.micro_step) == 2  # mid-window
+    save(model)
+    model.fit(*REST, batch_size=4, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_save_and_load_mid_window_continues_exactly(name, tmp_path):
     path = str(tmp_path / "mid_window.keras")
-    model.save(path)
-    model.fit(*rest, batch_size=4, shuffle=False, verbose=0)
+    model = saved_mid_window(name, lambda model: model.save(path))
+    rest = REST
 
     restored = keras.models.load_model(path)
     assert type(restored.optimizer) is type(model.optimizer)
@@ -153,6 +163,57 @@ def test_save_and_load_mid_window_continues_exactly(name, tmp_path):
     assert int(restored.optimizer.iterations) == int(model.optimizer.iterations)
     for a, b in zip(restored.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_load_weights_before_the_first_step_restores_the_window(name, tmp_path):
+    # `load_weights` into a model compiled but not trained: the optimizer is
+    # not built yet, so its saved state is restored when it is built.
+    path = str(tmp_path / "mid_window.weights.h5")
+    model = saved_mid_window(name, lambda model: model.save_weights(path))
+    rest = REST
+
+    fresh = build_model()
+    fresh.compile(optimizer=MAKERS[name](), loss="mse")
+    fresh.load_weights(path)
+    assert not fresh.optimizer.built and int(fresh.optimizer.micro_step) == 0
+    fresh.fit(*rest, batch_size=4, shuffle=False, verbose=0)
+    assert int(fresh.optimizer.micro_step) == int(model.optimizer.micro_step) == 6
+    assert int(fresh.optimizer.iterations) == int(model.optimizer.iterations)
+    for a, b in zip(fresh.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_a_model_saved_before_its_first_step_loads_and_trains(name, tmp_path):
+    model = build_model()
+    model.compile(optimizer=MAKERS[name](), loss="mse")
+    path = str(tmp_path / "untrained.keras")
+    model.save(path)
+    restored = keras.models.load_model(path)
+    restored.fit(X[:16], Y[:16], batch_size=4, shuffle=False, verbose=0)
+    model.fit(X[:16], Y[:16], batch_size=4, shuffle=False, verbose=0)
+    for a, b in zip(restored.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_load_weights_of_another_optimizer_skips_its_state_loudly(tmp_path):
+    # Layer weights saved with plain Adam, loaded into a model compiled with
+    # GradientAccumulation before its first step: the layers load, the state
+    # that does not fit is skipped with a warning when the optimizer is built.
+    model = build_model()
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    model.fit(X[:8], Y[:8], batch_size=4, verbose=0)
+    path = str(tmp_path / "adam.weights.h5")
+    model.save_weights(path)
+    other = build_model()
+    other.compile(optimizer=ka.GradientAccumulation(keras.optimizers.Adam(), steps=4), loss="mse")
+    other.load_weights(path)
+    for a, b in zip(other.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.warns(UserWarning, match="saved state is skipped"):
+        other.fit(X[:8], Y[:8], batch_size=4, verbose=0)
+    assert int(other.optimizer.micro_step) == 2 and int(other.optimizer.iterations) == 0
 
 
 def test_loading_state_saved_with_other_steps_is_an_error(tmp_path):

@@ -1,0 +1,114 @@
+"""Cases reported by trying the package from outside, as a user would: each
+failed before its fix."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_accum as ka
+
+MAKERS = {
+    "gradient_accumulation": lambda **kw: ka.GradientAccumulation(keras.optimizers.Adam(), **kw),
+    "invariant_adam": lambda **kw: ka.InvariantAdam(**kw),
+    "update_accumulation_adam": lambda **kw: ka.UpdateAccumulationAdam(**kw),
+}
+
+
+@pytest.mark.parametrize("name", MAKERS)
+@pytest.mark.parametrize("integer", [np.int64, np.int32])
+def test_numpy_integers_are_integers(name, integer):
+    optimizer = MAKERS[name](steps=integer(4))
+    assert optimizer.steps == 4 and type(optimizer.steps) is int
+    assert type(optimizer.get_config()["steps"]) is int
+    boundaries = np.cumsum([100, 100])[:1]  # what a user computes
+    schedule = ka.PiecewiseSteps(list(boundaries), [integer(1), integer(2)])
+    assert schedule.get_config()["boundaries"] == [100]
+    assert schedule.get_config()["values"] == [1, 2]
+    adaptive = ka.AdaptiveSteps(integer(1), integer(8), micro_batch_size=integer(32))
+    assert (adaptive.min_steps, adaptive.max_steps, adaptive.micro_batch_size) == (1, 8, 32)
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_raise_policy_is_refused_under_xla_where_it_could_not_raise(name):
+    # TensorFlow drops `check_numerics` from XLA-compiled code: NaN weights,
+    # no error, counters at 0. The step is refused when traced instead.
+    x = np.ones((8, 3), "float32")
+    x[5] = np.nan
+    y = np.zeros((8, 1), "float32")
+    for jit, error in ((False, tf.errors.InvalidArgumentError), (True, ValueError)):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        optimizer = MAKERS[name](steps=2, nonfinite="raise")
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit)
+        with pytest.raises(error) as raised:
+            model.fit(x, y, batch_size=4, verbose=0)
+        if jit:
+            message = str(raised.value)
+            assert "`nonfinite='raise'`" in message and "jit_compile=True" in message
+            assert "\n" not in message
+            assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_adaptive_steps_observe_in_a_tf_function_equals_eager():
+    def make():
+        steps = ka.AdaptiveSteps(min_steps=1, max_steps=8, micro_batch_size=32)
+        ka.InvariantAdam(1e-3, steps=steps).build([keras.Variable(np.zeros(3, "float32"))])
+        return steps
+
+    eager, traced = make(), make()
+    observe = tf.function(traced.observe)
+    for b in (100.0, float("nan"), 20.0, 200.0, float("inf")):
+        expected = int(eager.observe(b))
+        assert int(observe(tf.constant(b))) == expected
+    assert int(traced.steps) == int(eager.steps) == 8
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_counters_read_zero_before_the_optimizer_is_built(name):
+    optimizer = MAKERS[name](steps=2)
+    assert not optimizer.built
+    for counter in ("iterations", "micro_step", "skipped_micro_batches", "skipped_updates"):
+        assert int(getattr(optimizer, counter)) == 0, counter
+    assert not bool(optimizer.has_updated())
+    variable = keras.Variable(np.zeros(2, "float32"))
+    optimizer.apply([tf.ones(2)], [variable])
+    assert int(optimizer.micro_step) == 1 and not bool(optimizer.has_updated())
+    optimizer.apply([tf.ones(2)], [variable])
+    assert int(optimizer.micro_step) == 2 and bool(optimizer.has_updated())
+
+
+def test_weighing_follows_a_later_compile():
+    # weigh_micro_batches, then a re-compile with a token-mean loss: the
+    # weights must be those of the big batch (token counts), as when weighing
+    # after that compile.
+    rng = np.random.RandomState(2)
+    x = rng.randint(1, 20, size=(64, 7))
+    for i, length in enumerate(rng.randint(1, 8, size=64)):
+        x[i, length:] = 0
+    y = rng.randint(0, 3, size=(64, 7))
+    tokens = (x != 0).astype("float32")
+
+    def loss(reduction):
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+    def model():
+        keras.utils.set_random_seed(1)
+        layers = [keras.Input((7,), dtype="int32"), keras.layers.Embedding(20, 4)]
+        return keras.Sequential(layers + [keras.layers.Dense(3)])
+
+    def sgd():
+        return keras.optimizers.SGD(0.5, momentum=0.9)
+
+    big = model()
+    big.compile(optimizer=sgd(), loss=loss("mean_with_sample_weight"))
+    big.fit(x, y, sample_weight=tokens, batch_size=16, shuffle=False, verbose=0)
+
+    weighed = model()
+    weighed.compile(optimizer=ka.GradientAccumulation(sgd(), steps=2), loss=loss("mean"))
+    ka.weigh_micro_batches(weighed)
+    accumulate = ka.GradientAccumulation(sgd(), steps=2)
+    weighed.compile(optimizer=accumulate, loss=loss("mean_with_sample_weight"))
+    weighed.fit(x, y, sample_weight=tokens, batch_size=8, shuffle=False, verbose=0)
+    for a, b in zip(weighed.get_weights(), big.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
