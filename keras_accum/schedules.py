@@ -53,6 +53,7 @@ class StepsSchedule:
 
     def build(self, optimizer: Any) -> None:
         """Creates the schedule's state on `optimizer` (none by default)."""
+        return None  # a docstring-only body makes AutoGraph warn when traced
 
     def get_config(self) -> dict:
         raise NotImplementedError

@@ -1,6 +1,8 @@
 """Cases reported by trying the package from outside, as a user would: each
 failed before its fix."""
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -112,3 +114,23 @@ def test_weighing_follows_a_later_compile():
     weighed.fit(x, y, sample_weight=tokens, batch_size=8, shuffle=False, verbose=0)
     for a, b in zip(weighed.get_weights(), big.get_weights()):
         np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_a_users_tf_function_traces_without_autograph_warnings():
+    # AutoGraph cannot convert a method whose body is only a docstring and
+    # asks the user to report a TensorFlow bug: `_drop_window` (skip_window)
+    # and `StepsSchedule.build` (a schedule built while tracing) were such.
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    tf.get_logger().addHandler(handler)
+    try:
+        steps = ka.PiecewiseSteps([4], [1, 2])
+        optimizer = ka.UpdateAccumulationAdam(steps=steps, nonfinite="skip_window")
+        variable = keras.Variable(np.zeros(2, "float32"))
+        apply = tf.function(lambda g: optimizer.apply([g], [variable]))
+        apply(tf.ones(2))
+    finally:
+        tf.get_logger().removeHandler(handler)
+    assert int(optimizer.micro_step) == 1
+    assert not [r for r in records if "AutoGraph could not transform" in r.getMessage()]
