@@ -92,6 +92,7 @@ def all_finite(grads):
     transformer, 38 gradients of at most 16,384 elements, 6-32% faster per
     micro-step in three runs than with sums for all; the MLP, with two
     1024 x 2048 kernels, 5-10% slower with the elementwise test for all.)"""
+    grads = [values_of(g) for g in grads]
     small, large = [], list(grads)
     if in_xla():
         small = [g for g in grads if _elements(g) < SMALL]
@@ -145,6 +146,64 @@ def dense(grad):
     if isinstance(grad, tf.IndexedSlices):
         return tf.convert_to_tensor(grad)
     return grad
+
+
+def values_of(grad):
+    """The tensor holding a gradient's numbers: `grad` itself, or the rows
+    of a `tf.IndexedSlices` (an Embedding's gradient: only the rows of the
+    tokens seen, possibly repeated)."""
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def map_values(fn, grad):
+    """`grad` with `fn` applied to its numbers (`values_of`), kept sparse."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
+# A sparse gradient of a variable with fewer elements than this is made
+# dense: the sparse fold's few extra ops (a scatter; in InvariantAdam a sort
+# and a segment sum) cost more there than the pass over the variable they
+# save. (The 86k-parameter transformer's Embedding has 16,384.)
+SPARSE_MIN_ELEMENTS = 65536
+
+
+def sparse_or_dense(grad, variable):
+    """`grad` as it is when it is a `tf.IndexedSlices` of a variable with
+    `SPARSE_MIN_ELEMENTS` or more elements (kept sparse), else dense."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    count = tf.TensorShape(variable.shape).num_elements()
+    if count is not None and count >= SPARSE_MIN_ELEMENTS:
+        return grad
+    return dense(grad)
+
+
+def combine_rows(slices):
+    """(rows, values) of a `tf.IndexedSlices` with its repeated rows summed:
+    row k of `values` is the sum of every slice of `rows[k]`, as in the
+    dense gradient. Static shapes (the slices' count), for XLA: the rows
+    beyond the distinct ones come back as row 0 with zero values."""
+    count = tf.shape(slices.indices)[0]
+    order = tf.argsort(slices.indices)
+    rows = tf.gather(slices.indices, order)
+    starts = tf.concat([[True], tf.not_equal(rows[1:], rows[:-1])], 0)
+    segments = tf.cumsum(tf.cast(starts, "int32")) - 1
+    values = tf.math.unsorted_segment_sum(tf.gather(slices.values, order), segments, count)
+    rows = tf.math.unsorted_segment_max(rows, segments, count)
+    distinct = tf.range(count) <= tf.reduce_max(segments)
+    return tf.where(distinct, rows, tf.zeros((), rows.dtype)), values
+
+
+def scatter_add(variable, slices):
+    """variable[slices.indices] += slices.values, repeated rows summed: a
+    write of the rows seen, not of the whole variable. Through the variable's
+    handle, which in replica context is the local replica's component (a
+    replica-local variable has no `scatter_add` of its own)."""
+    tf.raw_ops.ResourceScatterAdd(
+        resource=variable.handle, indices=slices.indices, updates=slices.values
+    )
 
 
 def read_total(variable):
@@ -360,7 +419,8 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         grads = [g for g, _ in pairs]
         if self.loss_scale_factor is not None:
             # g = g / loss_scale_factor, before anything else sees it.
-            grads = [g / self.loss_scale_factor for g in grads]
+            unscale = lambda x: x / self.loss_scale_factor
+            grads = [map_values(unscale, g) for g in grads]
         args = (grads, [v for _, v in pairs], weight, overwrite)
         with keras.name_scope(self.name, caller=self):
             replica_context.merge_call(self._merge_apply, args=args)
@@ -488,7 +548,8 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
                     "nonfinite='raise' with jit_compile=True"
                 )
             message = f"{self.name}: non-finite gradient (nonfinite='raise')"
-            return [tf.debugging.check_numerics(g, message) for g in grads], None
+            check = lambda x: tf.debugging.check_numerics(x, message)
+            return [map_values(check, g) for g in grads], None
         ok = all_finite(grads)
         bad = 1 - tf.cast(ok, "int64")
         self._skipped_micro_batches.assign_add(bad)
@@ -497,7 +558,8 @@ class AccumulationOptimizer(schedules.WindowMixin, optimizers.Optimizer):
         if not mask:
             return grads, ok
         # g, or a broadcast scalar zero for a skipped micro-batch.
-        return [tf.where(ok, g, tf.zeros((), g.dtype)) for g in grads], ok
+        keep = lambda x: tf.where(ok, x, tf.zeros((), x.dtype))
+        return [map_values(keep, g) for g in grads], ok
 
     # -- subclass hooks -------------------------------------------------------
 

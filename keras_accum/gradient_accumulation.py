@@ -172,8 +172,11 @@ class GradientAccumulation(base.AccumulationOptimizer):
       then the only gradient communication of the window. With clipping
       configured, the window sum is reduced first so that the clip sees the
       global mean (one more reduction, still once per window).
-    * Sparse gradients (`tf.IndexedSlices`, from `Embedding`) are
-      accumulated densely.
+    * Sparse gradients (`tf.IndexedSlices`, from `Embedding`) of a
+      variable with 65,536 elements or more (`base.SPARSE_MIN_ELEMENTS`)
+      stay sparse: each micro-batch's rows are added to S where they fall
+      (the sum is dense; the window's mean handed to `optimizer` is dense).
+      Smaller ones are made dense first.
 
     Example:
 
@@ -301,8 +304,12 @@ class GradientAccumulation(base.AccumulationOptimizer):
             # equal share of weight: the sum over replicas is the weight.
             scale = tf.cast(weight, "float32")
             share = scale / replicas
-        grads = [tf.cast(base.dense(g), "float32") for g in grads]
-        wgs = lambda grads: grads if unit_weight else [scale * g for g in grads]
+        # A large Embedding's gradient stays sparse (`tf.IndexedSlices`): it
+        # is added to S_r row by row, never made parameter-sized.
+        grads = [base.sparse_or_dense(g, v) for g, v in zip(grads, variables)]
+        grads = [base.map_values(lambda x: tf.cast(x, "float32"), g) for g in grads]
+        scaled = lambda g: base.map_values(lambda x: scale * x, g)
+        wgs = lambda grads: grads if unit_weight else [scaled(g) for g in grads]
         if not base.in_xla():
             self._fold_graph(accumulators, grads, wgs, share, start)
             return
@@ -311,7 +318,8 @@ class GradientAccumulation(base.AccumulationOptimizer):
             # adds zeros to S_r (kept finite) and NaN to W_r, which the
             # window's end then reads as "drop" (a scalar, no read of S_r).
             ok = base.all_finite(grads)
-            grads = [tf.where(ok, g, tf.zeros((), g.dtype)) for g in grads]
+            keep = lambda x: tf.where(ok, x, tf.zeros((), x.dtype))
+            grads = [base.map_values(keep, g) for g in grads]
             share = tf.where(ok, share, tf.constant(float("nan"), "float32"))
         else:
             grads, ok = self._screen(grads)
@@ -321,7 +329,14 @@ class GradientAccumulation(base.AccumulationOptimizer):
         for a, wg in zip(accumulators, wgs(grads)):
             # S_r = w g at the window's start (whatever came before, also
             # when this micro-batch is skipped), else S_r + w g
-            a.assign(tf.where(start, wg, a + wg))
+            if isinstance(wg, tf.IndexedSlices):
+                # S_r = 0 at the window's start (fused, in place), then the
+                # rows of w g: no dense gradient, which XLA builds with a
+                # scatter into zeros and one more pass.
+                a.assign(tf.where(start, tf.zeros((), a.dtype), a))
+                base.scatter_add(a, wg)
+            else:
+                a.assign(tf.where(start, wg, a + wg))
         # W_r = w at the window's start, else W_r + w
         self._weight.assign(tf.where(start, share, self._weight + share))
 
@@ -335,12 +350,19 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
         def put():  # S_r = w g, W_r = w
             for a, wg in zip(accumulators, wgs(grads)):
-                a.assign(wg)
+                if isinstance(wg, tf.IndexedSlices):  # zeros, then its rows
+                    a.assign(base.zeros_like_state(a))
+                    base.scatter_add(a, wg)
+                else:
+                    a.assign(wg)
             self._weight.assign(share)
 
         def add():  # S_r += w g, W_r += w
             for a, wg in zip(accumulators, wgs(grads)):
-                a.assign_add(wg)
+                if isinstance(wg, tf.IndexedSlices):  # the rows it holds
+                    base.scatter_add(a, wg)
+                else:
+                    a.assign_add(wg)
             self._weight.assign_add(share)
 
         def reset():  # A skipped first micro-batch: S_r = 0, W_r = 0.

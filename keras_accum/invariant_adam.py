@@ -49,6 +49,10 @@ class InvariantAdam(AdamFamily):
       zero gradient in its window's averages (the fold cannot renormalise
       without extra buffers); `"skip_window"` is therefore not offered.
     * `weight_decay` is decoupled (AdamW style), applied once per update.
+    * A sparse gradient (`tf.IndexedSlices`, from an `Embedding` of 65,536
+      elements or more) is folded in row by row: the window's decay, then
+      its rows into m and v (repeated rows summed before squaring, as in
+      the dense gradient); unless micro-batches are clipped or `steps=1`.
     * Keras's `clipnorm`, `clipvalue` and `global_clipnorm` clip each
       micro-batch's gradient before it enters m and v (the global norm is
       over that micro-batch's gradients on its replica); `use_ema` and
@@ -134,7 +138,16 @@ class InvariantAdam(AdamFamily):
             (self._momentums[i], self._velocities[i])
             for i in map(self._get_variable_index, variables)
         ]
-        grads = [tf.cast(base.dense(g), m.dtype) for g, (m, _) in zip(grads, moments)]
+        # A large Embedding's gradient (`tf.IndexedSlices`) stays sparse: its
+        # rows go into m and v where they fall (`_fold_rows`), unless the
+        # micro-batch is clipped or every window is one micro-batch (Keras
+        # Adam's dense arithmetic there).
+        sparse = not (self._single_step() or self.clipnorm or self.global_clipnorm)
+        sparse = sparse and not self.clipvalue
+        keep = lambda g, v: base.sparse_or_dense(g, v) if sparse else base.dense(g)
+        grads = [keep(g, v) for g, v in zip(grads, variables)]
+        cast = lambda g, dtype: base.map_values(lambda x: tf.cast(x, dtype), g)
+        grads = [cast(g, m.dtype) for g, (m, _) in zip(grads, moments)]
         if not base.in_xla():
             self._fold_graph(grads, moments, replicas, start)
             return
@@ -142,8 +155,47 @@ class InvariantAdam(AdamFamily):
         # gradient, and the window's decay of m and v still happens.
         grads, _ = self._screen(grads)
         grads = self._clip_micro_batch(grads, replicas)
-        first = 1.0 if self._single_step() else tf.cast(start, grads[0].dtype)
+        first = 1.0 if self._single_step() else tf.cast(start, "float32")
+        grads, moments = self._fold_rows(grads, moments, replicas, first)
         self._fold_moments(grads, moments, replicas, first)
+
+    def _fold_rows(self, grads, moments, replicas, first, start=None, ok=None):
+        """Folds the sparse gradients in, row by row: the decay of the
+        window's first micro-batch (under XLA as a factor, 1 elsewhere: a
+        pass; in graph mode, with `start`, in a branch), then
+        m[rows] += (1 - beta_1) g_j / kappa and v[rows] += (1 - beta_2)
+        g_j**2 / kappa, the square taken after repeated rows are summed, as
+        for the dense gradient (the same arithmetic as `fused.fold_moments`
+        row by row). `ok` False: a zero gradient. Returns the dense
+        gradients and their moments, for the fused fold."""
+        rest = [(g, mv) for g, mv in zip(grads, moments) if not isinstance(g, tf.IndexedSlices)]
+        sparse = [(g, mv) for g, mv in zip(grads, moments) if isinstance(g, tf.IndexedSlices)]
+        if not sparse:
+            return grads, moments
+        steps, square_factor, rate_1, rate_2, first = self._fold_scalars(replicas, first)
+        take_1, take_2 = rate_1 / steps, rate_2 * square_factor
+        if ok is not None:
+            take_1 = tf.where(ok, take_1, 0.0)
+            take_2 = tf.where(ok, take_2, 0.0)
+        for g, (m, v) in sparse:
+            dtype = m.dtype
+            scalar = lambda x, dtype=dtype: tf.cast(x, dtype)
+
+            def decay(m=m, v=v, scalar=scalar, first=first):
+                m.assign(m * scalar(1.0 - first * rate_1))
+                v.assign(v * scalar(1.0 - first * rate_2))
+
+            if start is None:
+                decay()
+            else:
+                tf.cond(start, decay, lambda: None)
+            rows, values = base.combine_rows(g)
+            if ok is not None:  # a skipped micro-batch's NaN rows: zeros
+                values = tf.where(ok, values, tf.zeros((), dtype))
+            shape = g.dense_shape
+            base.scatter_add(m, tf.IndexedSlices(values * scalar(take_1), rows, shape))
+            base.scatter_add(v, tf.IndexedSlices(tf.square(values) * scalar(take_2), rows, shape))
+        return [g for g, _ in rest], [mv for _, mv in rest]
 
     def _single_step(self):
         """True when every window is one micro-batch per replica (a constant
@@ -159,6 +211,8 @@ class InvariantAdam(AdamFamily):
         same arithmetic as one compiled kernel."""
         if self._single_step():
             self._fold_keras_form(grads, moments, replicas)
+            return
+        if not grads:  # every gradient was sparse (`_fold_rows`)
             return
         handles = [(m.handle, v.handle) for m, v in moments]
         fused.fold_moments(grads, *zip(*handles), self._fold_scalars(replicas, first))
@@ -203,6 +257,10 @@ class InvariantAdam(AdamFamily):
                 tf.cond(ok, fold, lambda: fold(skip=True))
             return
         grads = self._clip_micro_batch(grads, replicas)
+        first = tf.constant(1.0)  # in the branch taken at the window's start
+        grads, moments = self._fold_rows(grads, moments, replicas, first, start, ok)
+        if not grads:
+            return
         handles = [(m.handle, v.handle) for m, v in moments]
         scalars = self._fold_scalars(replicas, start)
         jit = fused.worth_compiling(grads)
