@@ -57,7 +57,7 @@ def _check_contenders(c):
 
 # One field per config key; the script's flags are derived from them.
 FIELDS = [
-    _names("models", ("cnn", "mlp", "transformer"), "Models", tuple(WORKLOADS)),
+    _names("models", ("cnn", "mlp", "transformer", "lm"), "Models", tuple(WORKLOADS)),
     _names(
         "contenders",
         (
