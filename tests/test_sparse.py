@@ -52,7 +52,6 @@ def run(opt, feed, jit_compile=False):
     one `tf.function` (XLA with `jit_compile`)."""
     var = keras.Variable(np.ones((ROWS, WIDTH), "float32"))
     opt.build([var])
-    j_var = tf.Variable(0)
 
     @tf.function(jit_compile=jit_compile)
     def step(values, indices, weight):
@@ -62,7 +61,6 @@ def run(opt, feed, jit_compile=False):
     for j in range(len(INDICES)):
         grad, weight = feed(j)
         step(grad.values, grad.indices, tf.constant(weight, "float32"))
-        j_var.assign_add(1)
     return var.numpy()
 
 
@@ -123,7 +121,7 @@ def test_nan_in_sparse_rows_is_caught(jit_compile, nonfinite):
     assert int(skipped) == 1
 
 
-def test_nonfinite_raise_names_sparse_gradient():
+def test_nonfinite_raise_on_a_sparse_gradient():
     opt = ka.GradientAccumulation(keras.optimizers.SGD(1.0), steps=STEPS, nonfinite="raise")
     var = keras.Variable(np.ones((ROWS, WIDTH), "float32"))
     bad = VALUES[0].copy()
