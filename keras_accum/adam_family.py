@@ -58,10 +58,15 @@ class AdamFamily(AccumulationOptimizer):
         self.beta_2 = beta_2
         self.epsilon = epsilon
 
+    def _clips(self):
+        """True when Keras's `clipnorm`, `global_clipnorm` or `clipvalue`
+        is set."""
+        return bool(self.clipnorm or self.global_clipnorm or self.clipvalue)
+
     def _clip_micro_batch(self, grads, replicas):
         """Keras's clipping applied to one micro-batch's mean gradient; the
         incoming per-replica share is `replicas` times smaller."""
-        if not (self.clipnorm or self.global_clipnorm or self.clipvalue):
+        if not self._clips():
             return grads
         if replicas == 1:
             return self._clip_gradients(grads)

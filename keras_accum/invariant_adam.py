@@ -142,8 +142,7 @@ class InvariantAdam(AdamFamily):
         # rows go into m and v where they fall (`_fold_rows`), unless the
         # micro-batch is clipped or every window is one micro-batch (Keras
         # Adam's dense arithmetic there).
-        sparse = not (self._single_step() or self.clipnorm or self.global_clipnorm)
-        sparse = sparse and not self.clipvalue
+        sparse = not (self._single_step() or self._clips())
         keep = lambda g, v: base.sparse_or_dense(g, v) if sparse else base.dense(g)
         grads = [keep(g, v) for g, v in zip(grads, variables)]
         cast = lambda g, dtype: base.map_values(lambda x: tf.cast(x, dtype), g)
