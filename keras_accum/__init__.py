@@ -19,16 +19,14 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from keras_accum.gradient_accumulation import (  # noqa: E402
-    GradientAccumulation,
-    weigh_micro_batches,
-)
+from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402
 from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
 from keras_accum.scaling import scale_hyperparameters  # noqa: E402
 from keras_accum.schedules import AdaptiveSteps, PiecewiseSteps  # noqa: E402
 from keras_accum.update_accumulation_adam import (  # noqa: E402
     UpdateAccumulationAdam,
 )
+from keras_accum.weighing import weigh_micro_batches  # noqa: E402
 
 __version__ = "0.2.0"
 __all__ = [

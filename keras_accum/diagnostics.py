@@ -41,7 +41,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_accum import base
+from keras_accum import _tensors
 
 
 def _sq_norm_one(g):
@@ -323,7 +323,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
                 )
             grads = tape.gradient(loss, weights)
             grads = [
-                base.zeros_like_state(w) if g is None else tf.convert_to_tensor(g)
+                _tensors.zeros_like_state(w) if g is None else tf.convert_to_tensor(g)
                 for g, w in zip(grads, weights)
             ]
             return (i + 1, small + squared_norm(grads), [a + g for a, g in zip(acc, grads)])
@@ -332,7 +332,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             lambda i, *_: i < kappa,
             body,
             # Not `tf.zeros_like`: a constant the traced probe would hold for good.
-            (tf.constant(0), tf.constant(0.0), [base.zeros_like_state(w) for w in weights]),
+            (tf.constant(0), tf.constant(0.0), [_tensors.zeros_like_state(w) for w in weights]),
         )
         for v, s in zip(state, saved):
             v.assign(s)

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 from keras import saving
 
-from keras_accum import base, fused, schedules
+from keras_accum import _execution, _replicas, _tensors, folds, scaling, schedules
 from keras_accum.adam_family import AdamFamily
 
 
@@ -109,7 +109,7 @@ class InvariantAdam(AdamFamily):
             )
         super().__init__(*args, name=name, **kwargs)
         # One replica until `build` knows the strategy's replica count.
-        self.scaling_rule = schedules.check_scaling_rule(
+        self.scaling_rule = scaling.check_scaling_rule(
             scaling_rule, self.beta_1, self.beta_2, schedules.steps_range(self.steps)[1]
         )
 
@@ -128,73 +128,52 @@ class InvariantAdam(AdamFamily):
         self._build_scaling()
         self._restore_deferred_state()
 
-    def _accumulate(self, distribution, grads, variables, weight, start):
-        distribution.extended.call_for_each_replica(self._fold, args=(grads, variables, start))
-
-    def _fold(self, grads, variables, start):
+    def _fold(self, grads, variables, weight, start):
         # Replica context, replica-local moments: no communication.
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        replicas = _replicas.count()
         moments = [
             (self._momentums[i], self._velocities[i])
             for i in map(self._get_variable_index, variables)
         ]
         # A large Embedding's gradient (`tf.IndexedSlices`) stays sparse: its
-        # rows go into m and v where they fall (`_fold_rows`), unless the
-        # micro-batch is clipped or every window is one micro-batch (Keras
-        # Adam's dense arithmetic there).
+        # rows go into m and v where they fall (`folds.fold_rows`), unless
+        # the micro-batch is clipped or every window is one micro-batch
+        # (Keras Adam's dense arithmetic there).
         sparse = not (self._single_step() or self._clips())
-        keep = lambda g, v: base.sparse_or_dense(g, v) if sparse else base.dense(g)
+        keep = lambda g, v: _tensors.sparse_or_dense(g, v) if sparse else _tensors.dense(g)
         grads = [keep(g, v) for g, v in zip(grads, variables)]
-        cast = lambda g, dtype: base.map_values(lambda x: tf.cast(x, dtype), g)
+        cast = lambda g, dtype: _tensors.map_values(lambda x: tf.cast(x, dtype), g)
         grads = [cast(g, m.dtype) for g, (m, _) in zip(grads, moments)]
-        if not base.in_xla():
-            self._fold_graph(grads, moments, replicas, start)
+        # A skipped micro-batch (ok False) counts as a zero gradient: the
+        # window's decay of m and v still happens.
+        grads, ok = self._screen(grads, mask=False)
+        if self._single_step():
+            _, rate_1, rate_2 = self._window_factors(replicas)
+
+            def fold_keras_form(ok):
+                zeros = [tf.zeros((), g.dtype) for g in grads]
+                kept = (
+                    zeros
+                    if ok is False
+                    else [_execution.where(ok, g, z) for g, z in zip(grads, zeros)]
+                )
+                kept = kept if ok is False else self._clip_micro_batch(kept, replicas)
+                folds.keras_moments(kept, moments, rate_1, rate_2, replicas, self.assign_add)
+
+            _execution.by_condition(fold_keras_form, ok)
             return
-        # A skipped micro-batch comes back as zeros: it counts as a zero
-        # gradient, and the window's decay of m and v still happens.
-        grads, _ = self._screen(grads)
         grads = self._clip_micro_batch(grads, replicas)
-        first = 1.0 if self._single_step() else tf.cast(start, "float32")
-        grads, moments = self._fold_rows(grads, moments, replicas, first)
-        self._fold_moments(grads, moments, replicas, first)
-
-    def _fold_rows(self, grads, moments, replicas, first, start=None, ok=None):
-        """Folds the sparse gradients in, row by row: the decay of the
-        window's first micro-batch (under XLA as a factor, 1 elsewhere: a
-        pass; in graph mode, with `start`, in a branch), then
-        m[rows] += (1 - beta_1) g_j / kappa and v[rows] += (1 - beta_2)
-        g_j**2 / kappa, the square taken after repeated rows are summed, as
-        for the dense gradient (the same arithmetic as `fused.fold_moments`
-        row by row). `ok` False: a zero gradient. Returns the dense
-        gradients and their moments, for the fused fold."""
-        rest = [(g, mv) for g, mv in zip(grads, moments) if not isinstance(g, tf.IndexedSlices)]
-        sparse = [(g, mv) for g, mv in zip(grads, moments) if isinstance(g, tf.IndexedSlices)]
-        if not sparse:
-            return grads, moments
-        steps, square_factor, rate_1, rate_2, first = self._fold_scalars(replicas, first)
-        take_1, take_2 = rate_1 / steps, rate_2 * square_factor
-        if ok is not None:
-            take_1 = tf.where(ok, take_1, 0.0)
-            take_2 = tf.where(ok, take_2, 0.0)
-        for g, (m, v) in sparse:
-            dtype = m.dtype
-            scalar = lambda x, dtype=dtype: tf.cast(x, dtype)
-
-            def decay(m=m, v=v, scalar=scalar, first=first):
-                m.assign(m * scalar(1.0 - first * rate_1))
-                v.assign(v * scalar(1.0 - first * rate_2))
-
-            if start is None:
-                decay()
-            else:
-                tf.cond(start, decay, lambda: None)
-            rows, values = base.combine_rows(g)
-            if ok is not None:  # a skipped micro-batch's NaN rows: zeros
-                values = tf.where(ok, values, tf.zeros((), dtype))
-            shape = g.dense_shape
-            base.scatter_add(m, tf.IndexedSlices(values * scalar(take_1), rows, shape))
-            base.scatter_add(v, tf.IndexedSlices(tf.square(values) * scalar(take_2), rows, shape))
-        return [g for g, _ in rest], [mv for _, mv in rest]
+        scalars = self._fold_scalars(replicas, start)
+        rows = [(g, mv) for g, mv in zip(grads, moments) if isinstance(g, tf.IndexedSlices)]
+        dense = [(g, mv) for g, mv in zip(grads, moments) if not isinstance(g, tf.IndexedSlices)]
+        if rows:
+            fold_rows = lambda start: folds.fold_rows(*zip(*rows), scalars, start, ok)
+            _execution.by_condition(fold_rows, start)
+        if dense:
+            grads = [g for g, _ in dense]
+            handles = [(m.handle, v.handle) for _, (m, v) in dense]
+            jit = _execution.worth_compiling(grads)
+            _execution.run(folds.fold_moments, self, grads, *zip(*handles), scalars, ok, jit=jit)
 
     def _single_step(self):
         """True when every window is one micro-batch per replica (a constant
@@ -202,96 +181,39 @@ class InvariantAdam(AdamFamily):
         steps = self.window_steps
         return isinstance(steps, int) and steps == 1
 
-    def _fold_moments(self, grads, moments, replicas, first):
-        """m += (1 - beta_1) (g_j / kappa - first m), v likewise with the
-        squares; `first` is 1 at the window's first micro-batch, else 0
-        (a Python float when known while tracing, else a tensor). Under XLA
-        (the caller's kernel) the fold is inlined; `_fold_graph` runs the
-        same arithmetic as one compiled kernel."""
-        if self._single_step():
-            self._fold_keras_form(grads, moments, replicas)
-            return
-        if not grads:  # every gradient was sparse (`_fold_rows`)
-            return
-        handles = [(m.handle, v.handle) for m, v in moments]
-        fused.fold_moments(grads, *zip(*handles), self._fold_scalars(replicas, first))
-
-    def _fold_scalars(self, replicas, first):
+    def _fold_scalars(self, replicas, start):
         """(steps, replicas / steps, 1 - beta_1,k, 1 - beta_2,k, first) as
         float32 scalars: g_j / kappa = g / steps and g_j**2 / kappa =
         g**2 * replicas / steps (g = g_r / replicas: the replica factor is
-        undone before squaring)."""
+        undone before squaring); first = 1 at the window's start, else 0."""
         steps, beta_1_rate, beta_2_rate = self._window_factors(replicas)
-        values = (steps, replicas / steps, beta_1_rate, beta_2_rate, first)
+        values = (steps, replicas / steps, beta_1_rate, beta_2_rate, start)
         return tuple(tf.cast(x, "float32") for x in values)
 
-    def _fold_keras_form(self, grads, moments, replicas):
-        """Every micro-batch starts a window (`steps=1`): Keras Adam's own
-        arithmetic, so that one replica is `keras.optimizers.Adam` bit for
-        bit."""
-        _, beta_1_rate, beta_2_rate = self._window_factors(replicas)
-        for g, (m, v) in zip(grads, moments):
-            # g_j**2 / kappa = g**2 * replicas (the replica factor undone)
-            square_part = tf.square(g) if replicas == 1 else tf.square(g) * float(replicas)
-            b1, b2 = _cast(beta_1_rate, m.dtype), _cast(beta_2_rate, m.dtype)
-            # m = beta_1 m + (1 - beta_1) g_j / kappa (Keras's form)
-            self.assign_add(m, (g - m) * b1)
-            self.assign_add(v, (square_part - v) * b2)
-
-    def _fold_graph(self, grads, moments, replicas, start):
-        """`_fold` in graph mode: one compiled kernel for every variable
-        (a TensorFlow op per term would be a full pass each); a skipped
-        micro-batch counts as a zero gradient inside it."""
-        grads, ok = self._screen(grads, mask=False)
-        if self._single_step():  # Keras Adam's ops, branching on the check
-
-            def fold(skip=False):  # a skipped micro-batch: a zero gradient
-                zeros = [tf.zeros((), g.dtype) for g in grads]
-                clipped = zeros if skip else self._clip_micro_batch(grads, replicas)
-                self._fold_keras_form(clipped, moments, replicas)
-
-            if ok is None:
-                fold()
-            else:
-                tf.cond(ok, fold, lambda: fold(skip=True))
-            return
-        grads = self._clip_micro_batch(grads, replicas)
-        first = tf.constant(1.0)  # in the branch taken at the window's start
-        grads, moments = self._fold_rows(grads, moments, replicas, first, start, ok)
-        if not grads:
-            return
-        handles = [(m.handle, v.handle) for m, v in moments]
-        scalars = self._fold_scalars(replicas, start)
-        jit = fused.worth_compiling(grads)
-        fused.run(fused.fold_moments, self, grads, *zip(*handles), scalars, ok, jit=jit)
-
-    def _update(self, distribution, variables, window):
+    def _update(self, variables, window):
         learning_rate = self.learning_rate
         update_count = self._iterations + 1
         if self.scaling_rule is not None:
-            learning_rate, update_count = self._scaled_rate(distribution)
+            learning_rate, update_count = self._scaled_rate()
         moments = [
             (self._momentums[i], self._velocities[i])
             for i in map(self._get_variable_index, variables)
         ]
-        replicated = distribution.num_replicas_in_sync > 1
+        replicated = _replicas.count() > 1
         if replicated:
-            totals = self._reduce_moments(distribution, variables, moments)
+            totals = self._reduce_moments(variables, moments)
         else:
             totals = [(m.value, v.value) for m, v in moments]
         for var, (m, v), (m_total, v_total) in zip(variables, moments, totals):
-            distribution.extended.update(
-                var.value,
-                self._apply_moments,
-                args=(m_total, v_total, learning_rate, update_count),
-                group=False,
+            _replicas.update_each(
+                [var], self._apply_moments, m_total, v_total, learning_rate, update_count
             )
             if replicated:
                 # Spread the totals back evenly over the replicas.
-                base.assign_total(m, distribution.experimental_local_results(m_total)[0])
-                base.assign_total(v, distribution.experimental_local_results(v_total)[0])
+                _replicas.assign_total(m, _replicas.local_value(m_total))
+                _replicas.assign_total(v, _replicas.local_value(v_total))
 
-    def _reduce_moments(self, distribution, variables, moments):
+    def _reduce_moments(self, variables, moments):
         """[(sum of m_r, sum of v_r)] per variable, each on the devices of
         its variable: every replica-local moment in one batched all-reduce,
         the window's one communication."""
@@ -299,13 +221,13 @@ class InvariantAdam(AdamFamily):
         def local():  # replica context: this replica's m_r, v_r
             return [(m.value, v.value) for m, v in moments]
 
-        parts = distribution.extended.call_for_each_replica(local)
+        parts = _replicas.for_each_replica(local)
         pairs = [
-            (part, var.value)
+            (part, var)
             for var, (m_part, v_part) in zip(variables, parts)
             for part in (m_part, v_part)
         ]
-        totals = distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+        totals = _replicas.sum_over_replicas(pairs)
         return list(zip(totals[::2], totals[1::2]))
 
     def _apply_moments(self, variable, m, v, learning_rate, update_count):
@@ -322,7 +244,7 @@ class InvariantAdam(AdamFamily):
     def _build_scaling(self):
         replicas = self._distribution_strategy.num_replicas_in_sync
         max_kappa = schedules.steps_range(self.steps)[1] * replicas
-        schedules.check_scaling_rule(self.scaling_rule, self.beta_1, self.beta_2, max_kappa)
+        scaling.check_scaling_rule(self.scaling_rule, self.beta_1, self.beta_2, max_kappa)
         if self.scaling_rule is None:
             return
         # P_i = prod over windows so far of beta_i,k (bias correction).
@@ -346,14 +268,14 @@ class InvariantAdam(AdamFamily):
         kappa = steps * replicas
         return (
             steps,
-            schedules.one_minus_beta(self.beta_1, kappa, self.scaling_rule),
-            schedules.one_minus_beta(self.beta_2, kappa, self.scaling_rule),
+            scaling.one_minus_beta(self.beta_1, kappa, self.scaling_rule),
+            scaling.one_minus_beta(self.beta_2, kappa, self.scaling_rule),
         )
 
-    def _scaled_rate(self, distribution):
+    def _scaled_rate(self):
         """Cross-replica, once per window: (lr_k, sqrt(1 - P_2) / (1 - P_1))
         after folding this window's betas into P_1, P_2."""
-        replicas = distribution.num_replicas_in_sync
+        replicas = _replicas.count()
         steps, beta_1_rate, beta_2_rate = self._window_factors(replicas)
         kappa = steps * replicas
         p_1, p_2 = self._beta_products
@@ -375,8 +297,3 @@ class InvariantAdam(AdamFamily):
         config = super().get_config()
         config["scaling_rule"] = self.scaling_rule
         return config
-
-
-def _cast(value, dtype):
-    """A tensor cast to `dtype`; a Python number as it is."""
-    return value if isinstance(value, (int, float)) else tf.cast(value, dtype)

@@ -19,9 +19,29 @@ clipped silently.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+import tensorflow as tf
+
 from keras_accum.validation import check_choice, check_float
 
 RULES = ("invariant", "sqrt", "power")
+# `InvariantAdam(scaling_rule=...)`: the rules applied per window.
+SCALING_RULES = ("invariant", "power", None)
+
+
+def check_linear_beta(kappa: float, name: str, beta: float, argument: str = "rule") -> None:
+    """Refuses the linear rule 1 - beta' = kappa (1 - beta) where it makes
+    beta' <= 0, naming `argument` (the caller's name for the rule)."""
+    # With a rounding margin: 10 * (1 - 0.9) is 0.9999999999999998.
+    if kappa * (1 - beta) >= 1 - 1e-9:
+        raise ValueError(
+            f"kappa * (1 - {name}) = {kappa * (1 - beta):g} >= 1 makes the linear "
+            f"rule meaningless ({name} <= 0) at kappa={kappa!r}. Use "
+            f"{argument}='power' ({name} ** kappa) or a smaller kappa. "
+            f"Received: kappa={kappa!r}, {name}={beta!r}"
+        )
 
 
 def scale_hyperparameters(
@@ -50,7 +70,7 @@ def scale_hyperparameters(
         >>> scale_hyperparameters(kappa=16, rule="invariant", learning_rate=1e-3)
         Traceback (most recent call last):
         ...
-        ValueError: kappa * (1 - beta_1) = 1.6 >= 1 makes the linear rule meaningless (beta_1 <= 0). Use rule='power' (beta_1 ** kappa) or a smaller kappa. Received: kappa=16, beta_1=0.9
+        ValueError: kappa * (1 - beta_1) = 1.6 >= 1 makes the linear rule meaningless (beta_1 <= 0) at kappa=16. Use rule='power' (beta_1 ** kappa) or a smaller kappa. Received: kappa=16, beta_1=0.9
     """  # noqa: E501
     kappa_value = check_float("kappa", kappa, minimum=0.0, open_minimum=True)
     check_choice("rule", rule, RULES)
@@ -65,14 +85,7 @@ def scale_hyperparameters(
     else:
         scaled_betas = {}
         for name, beta in betas.items():
-            # With a rounding margin: 10 * (1 - 0.9) is 0.9999999999999998.
-            if kappa_value * (1 - beta) >= 1 - 1e-9:
-                raise ValueError(
-                    f"kappa * (1 - {name}) = {kappa_value * (1 - beta):g} >= 1 makes "
-                    f"the linear rule meaningless ({name} <= 0). Use "
-                    f"rule='power' ({name} ** kappa) or a smaller kappa. "
-                    f"Received: kappa={kappa!r}, {name}={beta!r}"
-                )
+            check_linear_beta(kappa, name, beta)
             # 1 - beta' = kappa * (1 - beta)
             scaled_betas[name] = 1 - kappa_value * (1 - beta)
     lr_factor = kappa_value**0.5 if rule == "sqrt" else kappa_value
@@ -82,3 +95,28 @@ def scale_hyperparameters(
         **scaled_betas,
         "epsilon": epsilon * eps_factor,
     }
+
+
+def check_scaling_rule(rule: Any, beta_1: float, beta_2: float, max_kappa: int) -> Any:
+    """Validates `scaling_rule` and refuses a linear rule that would make a
+    beta <= 0 for the largest window (`max_kappa` micro-batches)."""
+    check_choice("scaling_rule", rule, SCALING_RULES)
+    if rule == "invariant":
+        for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
+            check_linear_beta(max_kappa, name, beta, argument="scaling_rule")
+    return rule
+
+
+def one_minus_beta(beta: float, kappa: Any, rule: Any) -> Any:
+    """1 - beta_k for a window of `kappa` micro-batches under `rule`:
+    kappa (1 - beta) ("invariant"), 1 - beta ** kappa ("power") or 1 - beta
+    (None). Python numbers in, a Python number out; else a float32 tensor."""
+    if rule is None:
+        return 1 - beta
+    if isinstance(kappa, (int, float)):
+        return kappa * (1 - beta) if rule == "invariant" else 1 - beta**kappa
+    kappa = tf.cast(kappa, tf.float32)
+    if rule == "invariant":
+        return kappa * (1 - beta)
+    # 1 - beta ** kappa = -expm1(kappa log beta), accurate when beta ~ 1.
+    return -tf.math.expm1(kappa * tf.cast(math.log(beta), tf.float32)) if beta > 0 else 1.0

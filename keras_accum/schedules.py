@@ -18,22 +18,19 @@ The value is a tensor computed from variables, so a traced training step is
 not retraced when the size changes.
 
 `InvariantAdam(scaling_rule=...)` rescales its hyperparameters per window
-(`one_minus_beta`, checked by `check_scaling_rule`); see its docstring.
+(`keras_accum.scaling`); see its docstring.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 from keras import initializers, saving
 
-from keras_accum.validation import check_choice, check_int, is_integer
-
-SCALING_RULES = ("invariant", "power", None)
+from keras_accum.validation import check_int, is_integer
 
 
 class StepsSchedule:
@@ -229,47 +226,6 @@ class AdaptiveSteps(StepsSchedule):
         )
 
 
-class WindowMixin:
-    """Window bookkeeping of `keras_accum.base.AccumulationOptimizer`: where
-    a window starts and ends, for an int `steps` or a schedule."""
-
-    def _build_window(self):
-        """With a schedule: the current window's size and end micro-step,
-        fixed when the window starts (checkpointed), and its own state."""
-        if not isinstance(self.steps, StepsSchedule):
-            return
-        counter = dict(dtype="int64", aggregation="only_first_replica")
-        self._window_size = self.add_variable((), name="window_steps", **counter)
-        self._window_end = self.add_variable((), name="window_end", **counter)
-        self.steps.build(self)
-
-    @property
-    def window_steps(self):
-        """Micro-batches per replica of the current window: `steps`, or with
-        a schedule the value it gave when the window started (a variable)."""
-        if isinstance(self.steps, StepsSchedule):
-            return self._window_size
-        return self.steps
-
-    def _start_window(self):
-        """Cross-replica: True at a window's first micro-batch. A schedule is
-        read there, and its value holds until the window ends."""
-        step = tf.convert_to_tensor(self._micro_step)
-        if not isinstance(self.steps, StepsSchedule):
-            return tf.equal(step % self.steps, 0)
-        start = step >= self._window_end
-        size = tf.where(start, self.steps(step), self._window_size)
-        self._window_size.assign(size)
-        self._window_end.assign(tf.where(start, step + size, self._window_end))
-        return start
-
-    def _window_done(self, micro_step):
-        """True when `micro_step` micro-batches complete the current window."""
-        if not isinstance(self.steps, StepsSchedule):
-            return tf.equal(micro_step % self.steps, 0)
-        return tf.equal(micro_step, self._window_end)
-
-
 def _int_list(name, values, minimum):
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ValueError(
@@ -304,37 +260,3 @@ def serialize_steps(steps: int | StepsSchedule) -> Any:
     if isinstance(steps, StepsSchedule):
         return saving.serialize_keras_object(steps)
     return steps
-
-
-def check_scaling_rule(rule: Any, beta_1: float, beta_2: float, max_kappa: int) -> Any:
-    """Validates `scaling_rule` and refuses a linear rule that would make a
-    beta <= 0 for the largest window (`max_kappa` micro-batches)."""
-    check_choice("scaling_rule", rule, SCALING_RULES)
-    if rule != "invariant":
-        return rule
-    for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
-        # With a rounding margin: 10 * (1 - 0.9) is 0.9999999999999998.
-        if max_kappa * (1 - beta) >= 1 - 1e-9:
-            raise ValueError(
-                f"scaling_rule='invariant' makes {name} = 1 - kappa * (1 - {name}) "
-                f"<= 0 for windows of kappa={max_kappa} micro-batches "
-                f"(kappa * (1 - {name}) = {max_kappa * (1 - beta):g}). Use "
-                f"scaling_rule='power' ({name} ** kappa) or smaller steps. "
-                f"Received: {name}={beta!r}, kappa={max_kappa}"
-            )
-    return rule
-
-
-def one_minus_beta(beta: float, kappa: Any, rule: Any) -> Any:
-    """1 - beta_k for a window of `kappa` micro-batches under `rule`:
-    kappa (1 - beta) ("invariant"), 1 - beta ** kappa ("power") or 1 - beta
-    (None). Python numbers in, a Python number out; else a float32 tensor."""
-    if rule is None:
-        return 1 - beta
-    if isinstance(kappa, (int, float)):
-        return kappa * (1 - beta) if rule == "invariant" else 1 - beta**kappa
-    kappa = tf.cast(kappa, tf.float32)
-    if rule == "invariant":
-        return kappa * (1 - beta)
-    # 1 - beta ** kappa = -expm1(kappa log beta), accurate when beta ~ 1.
-    return -tf.math.expm1(kappa * tf.cast(math.log(beta), tf.float32)) if beta > 0 else 1.0

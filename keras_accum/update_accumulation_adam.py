@@ -5,7 +5,7 @@ from typing import Any
 import tensorflow as tf
 from keras import saving
 
-from keras_accum import base, fused, schedules
+from keras_accum import _execution, _replicas, _tensors, folds, schedules
 from keras_accum.adam_family import AdamFamily
 
 
@@ -74,71 +74,52 @@ class UpdateAccumulationAdam(AdamFamily):
         self._updates = slots[2] if buffered else None
         self._restore_deferred_state()
 
-    def _accumulate(self, distribution, grads, variables, weight, start):
+    def _accumulate(self, grads, variables, weight, start):
         # Moments are shared: reduce the gradient every micro-step (SUM of the
         # replicas' shares is the replica-mean gradient).
-        reduced = self._reduce(distribution, grads, variables)
+        reduced = self._reduce(grads, variables)
         # Every replica now holds the same micro-step gradient: screen and
         # clip it on each (each counts the skip of its own micro-batch).
-        graph = not base.in_xla()  # branches in graph mode, masks under XLA
-        reduced, ok = distribution.extended.call_for_each_replica(
-            self._prepare, args=(reduced, variables, not graph)
-        )
-        ok = (
-            None
-            if self.nonfinite in (None, "raise")
-            else distribution.experimental_local_results(ok)[0]
-        )
+        xla = _execution.in_xla()
+        reduced, ok = _replicas.for_each_replica(self._prepare, reduced, variables, xla)
+        if self.nonfinite in (None, "raise"):
+            ok = None
+        else:
+            ok = _replicas.local_value(ok)
         # t = micro-steps folded into the moments so far (a skip adds none)
         t = self._moment_steps.assign_add(1 if ok is None else tf.cast(ok, "int64"))
-        learning_rate = self.learning_rate
+        # alpha_t with t = micro-steps folded into the moments so far (>= 1,
+        # also before the first finite one)
+        alpha = self._adam_alpha(self.learning_rate, tf.maximum(t, 1), "float32")
+        scalars = (
+            alpha,
+            tf.constant(1 - self.beta_1, "float32"),
+            tf.constant(1 - self.beta_2, "float32"),
+            tf.constant(self.epsilon, "float32"),
+            tf.cast(self.learning_rate, "float32"),
+        )
+        # One compiled kernel per replica for every variable in graph mode
+        # (TensorFlow ops would be a full pass per term), op by op on a small
+        # model; each replica updates its own copy of the (mirrored) state
+        # with the same reduced gradient.
+        # With no buffer A (plain Adam) the ops stay Keras Adam's, bit for bit.
+        jit = self._updates is not None and _execution.worth_compiling(variables)
 
-        def step(keep):
-            if graph and self._updates is not None and keep is None:
-                # Graph mode: one compiled kernel per replica for every
-                # variable (TensorFlow ops would be a full pass per term);
-                # on a small model, where the launch costs more (see
-                # `fused`), the same arithmetic op by op, alpha computed once.
-                jit = fused.worth_compiling(variables)
-                distribution.extended.call_for_each_replica(
-                    self._fused_micro_step, args=(reduced, variables, learning_rate, t, start, jit)
-                )
-                return
-            for g, var in zip(reduced, variables):
-                distribution.extended.update(
-                    var.value,
-                    self._micro_update,
-                    args=(g, learning_rate, t, start, keep),
-                    group=False,
-                )
+        def micro_step(keep):
+            _replicas.for_each_replica(
+                self._micro_step_of, reduced, variables, scalars, start, keep, jit
+            )
 
-        if not graph or ok is None:
-            step(ok)
-            return
+        _execution.by_condition(micro_step, ok)
 
-        def skip():  # m, v, theta unchanged; A = 0 at the window's start
-            if self._updates is not None:
-                updates = [self._updates[self._get_variable_index(v)] for v in variables]
-
-                def restart():
-                    for update in updates:
-                        update.assign(base.zeros_like_state(update))
-
-                tf.cond(start, restart, lambda: None)
-
-        tf.cond(ok, lambda: step(None), skip)
-
-    def _reduce(self, distribution, grads, variables):
+    def _reduce(self, grads, variables):
         """SUM over replicas. A tensor that every replica handed in (not a
         per-replica value) sums to replicas x itself."""
-        grads = [base.dense(g) for g in grads]
-        replicas = distribution.num_replicas_in_sync
-        split = [isinstance(g, tf.distribute.DistributedValues) for g in grads]
-        pairs = [(g, v.value) for g, v, s in zip(grads, variables, split) if s]
+        grads = [_tensors.dense(g) for g in grads]
+        replicas = _replicas.count()
+        split = [_replicas.is_per_replica(g) for g in grads]
         summed = iter(
-            distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
-            if pairs
-            else []
+            _replicas.sum_over_replicas([(g, v) for g, v, s in zip(grads, variables, split) if s])
         )
         return [
             next(summed) if s else g * replicas if replicas > 1 else g for g, s in zip(grads, split)
@@ -150,52 +131,27 @@ class UpdateAccumulationAdam(AdamFamily):
         grads = self._clip_micro_batch(grads, 1)
         return grads, (tf.constant(True) if ok is None else ok)
 
-    def _fused_micro_step(self, grads, variables, learning_rate, t, start, jit=True):
-        """`_micro_update` of every variable as one compiled kernel (with
-        `jit` False, its arithmetic op by op), in replica context: each
-        replica updates its own copy of the (mirrored) state with the same
-        reduced gradient, as `extended.update` would."""
+    def _micro_step_of(self, grads, variables, scalars, start, keep, jit):
+        """`folds.adam_micro_step` for every variable (replica context)."""
         handles = []
         for var in variables:
             index = self._get_variable_index(var)
-            slots = (self._momentums, self._velocities, self._updates)
-            handles.append(tuple(slot[index].handle for slot in slots))
-        # alpha_t with t = micro-steps folded into the moments so far
-        alpha = self._adam_alpha(learning_rate, tf.maximum(t, 1), "float32")
-        rates = [tf.constant(x, "float32") for x in (1 - self.beta_1, 1 - self.beta_2)]
-        scalars = (alpha, start, *rates, tf.constant(self.epsilon, "float32"))
-        # `grads` come from `_prepare`: cast, screened and clipped.
-        fused.run(fused.adam_micro_step, self, grads, handles, scalars, jit=jit)
+            update = None if self._updates is None else self._updates[index].handle
+            decay = None
+            if self._updates is None and self.weight_decay is not None:
+                decay = self.weight_decay if self._use_weight_decay(var) else None
+            handles.append(
+                (
+                    self._momentums[index].handle,
+                    self._velocities[index].handle,
+                    update,
+                    var.handle,
+                    None if decay is None else tf.constant(decay, "float32"),
+                )
+            )
+        _execution.run(folds.adam_micro_step, self, grads, handles, scalars, start, keep, jit=jit)
 
-    def _micro_update(self, variable, gradient, learning_rate, t, start, ok):
-        """One variable's micro-step with TensorFlow ops: under XLA (masks,
-        fused by the caller's compilation) and when no buffer A exists."""
-        index = self._get_variable_index(variable)
-        m, v = self._momentums[index], self._velocities[index]
-        lr = tf.cast(learning_rate, variable.dtype)
-        keep = None if ok is None else tf.cast(ok, variable.dtype)
-        # alpha_t uses t = micro-steps folded into the moments so far (>= 1,
-        # also before the first finite one).
-        alpha = self._adam_alpha(learning_rate, tf.maximum(t, 1), variable.dtype)
-        dm = (gradient - m) * (1 - self.beta_1)
-        dv = (tf.square(gradient) - v) * (1 - self.beta_2)
-        if keep is not None:  # a skipped micro-step leaves m and v as they are
-            dm, dv = dm * keep, dv * keep
-        self.assign_add(m, dm)
-        self.assign_add(v, dv)
-        adam_step = (m * alpha) / (tf.sqrt(v) + self.epsilon)
-        if keep is not None:
-            adam_step = adam_step * keep
-        if self._updates is None:
-            self._decay(variable, lr if keep is None else lr * keep)
-            self.assign_sub(variable, adam_step)
-            return
-        update = self._updates[index]
-        # A = step at the window's first micro-step (whatever came before,
-        # also when that micro-step is skipped), else A + step
-        update.assign(tf.where(start, adam_step, update + adam_step))
-
-    def _update(self, distribution, variables, window):
+    def _update(self, variables, window):
         if self._updates is None:  # steps == 1: applied in the micro-step
             return
         learning_rate = self.learning_rate
@@ -207,4 +163,4 @@ class UpdateAccumulationAdam(AdamFamily):
                 # theta = theta - A
                 self.assign_sub(variable, update)
 
-            distribution.extended.update(var.value, apply_update, args=(update.value,), group=False)
+            _replicas.update_each([var], apply_update, update.value)

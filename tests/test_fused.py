@@ -1,5 +1,5 @@
 """The graph-mode folds (one compiled kernel per micro-batch, keras_accum/
-fused.py) under model.fit and MirroredStrategy, against the numpy
+_execution.run) under model.fit and MirroredStrategy, against the numpy
 references; with 2 replicas every replica's copy of the state must agree.
 """
 
@@ -11,7 +11,7 @@ import tensorflow as tf
 from conftest import mirrored_strategy
 
 import keras_accum as ka
-from keras_accum import fused
+from keras_accum import _execution
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(32, 3)).astype("float32")
@@ -41,8 +41,8 @@ def _mse_gradients(params, x, y):
 @pytest.fixture(autouse=True)
 def compiled_fold(monkeypatch):
     """These models are tiny: compile their folds anyway (the default
-    leaves a fold this small to TensorFlow ops, see `fused.MIN_PARAMETERS`)."""
-    monkeypatch.setattr(fused, "MIN_PARAMETERS", 0)
+    leaves a fold this small to TensorFlow ops, see `_execution.MIN_PARAMETERS`)."""
+    monkeypatch.setattr(_execution, "MIN_PARAMETERS", 0)
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -50,7 +50,7 @@ def compiled_fold(monkeypatch):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_fit_matches_numpy_reference(name, steps_per_execution, compiled, monkeypatch):
     if not compiled:  # the small-model path: the same fold as TensorFlow ops
-        monkeypatch.setattr(fused, "MIN_PARAMETERS", 10**9)
+        monkeypatch.setattr(_execution, "MIN_PARAMETERS", 10**9)
     make, make_reference = OPTIMIZERS[name]
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

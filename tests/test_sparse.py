@@ -16,7 +16,7 @@ from keras_accum.experiments import models
 # A variable at keras_accum's threshold for keeping its gradient sparse
 # (smaller ones are made dense, as before).
 WIDTH, STEPS = 3, 3
-ROWS = -(-ka.base.SPARSE_MIN_ELEMENTS // WIDTH)
+ROWS = -(-ka._tensors.SPARSE_MIN_ELEMENTS // WIDTH)
 RNG = np.random.default_rng(7)
 # Per micro-batch: 4 rows touched, one of them twice.
 INDICES = [np.array([0, 2, 2, ROWS - 1]), np.array([1, 1, 4, 0]), np.array([3, 5, 5, 5])] * 2
@@ -168,7 +168,7 @@ def test_fit_on_a_transformer_matches_dense_gradients(name, jit_compile, monkeyp
     # Through `fit` on a small transformer (token and position Embeddings),
     # every sparse gradient kept sparse (threshold lowered), against the
     # same optimizer handed the dense gradients.
-    monkeypatch.setattr(ka.base, "SPARSE_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(ka._tensors, "SPARSE_MIN_ELEMENTS", 1)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 8, (24, 8)).astype("int32")  # tokens repeat
     y = (x[:, 0] > 3).astype("int32")
@@ -244,13 +244,13 @@ def test_invariant_adam_sparse_equals_dense(jit_compile, case):
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_invariant_adam_folds_rows_without_a_dense_gradient(jit_compile, monkeypatch):
     made_dense = []
-    dense = ka.base.dense
+    dense = ka._tensors.dense
 
     def recording(grad):
         made_dense.append(isinstance(grad, tf.IndexedSlices))
         return dense(grad)
 
-    monkeypatch.setattr(ka.base, "dense", recording)
+    monkeypatch.setattr(ka._tensors, "dense", recording)
     ops = trace_ops(ka.InvariantAdam(0.1, steps=STEPS), jit_compile)
     assert "ResourceScatterAdd" in ops
     assert not any(made_dense)
@@ -293,7 +293,7 @@ def test_invariant_adam_two_replicas_sparse_equals_dense():
 
 
 def test_combine_rows_sums_repeated_rows():
-    got_rows, got_values = ka.base.combine_rows(slices(2))  # rows 3, 5, 5, 5
+    got_rows, got_values = ka._tensors.combine_rows(slices(2))  # rows 3, 5, 5, 5
     expected = dense_of(2)
     dense = np.zeros((ROWS, WIDTH), "float32")
     np.add.at(dense, got_rows.numpy(), got_values.numpy())
@@ -305,7 +305,7 @@ def test_combine_rows_sums_repeated_rows():
 @pytest.mark.parametrize("name", ["GradientAccumulation", "InvariantAdam"])
 def test_small_variable_gradient_is_made_dense(name, monkeypatch):
     # Below the threshold the dense fold is cheaper: the old path, exactly.
-    monkeypatch.setattr(ka.base, "SPARSE_MIN_ELEMENTS", ROWS * WIDTH + 1)
+    monkeypatch.setattr(ka._tensors, "SPARSE_MIN_ELEMENTS", ROWS * WIDTH + 1)
     opt = (
         ka.GradientAccumulation(keras.optimizers.SGD(1.0), steps=STEPS)
         if name == "GradientAccumulation"

@@ -1,0 +1,222 @@
+"""How the optimizers' arithmetic runs: the one place that decides.
+
+The maths of each optimizer is written once (`keras_accum.folds`, and each
+optimizer's window update) in terms of two conditions, `start` (the
+micro-batch opens a window) and `ok` (its gradients are finite). A
+condition is a Python bool or a boolean tensor, and `where(c, x, y)` picks
+at trace time for a bool and selects elementwise for a tensor. This module
+decides which the maths gets, and where it runs:
+
+* `by_condition(fn, *conditions)`: under XLA `fn` runs once with the
+  tensors (a select fuses into the pass that computes its operands, and XLA
+  copies the state a `tf.cond` carries); in graph mode and eagerly `fn` runs
+  in `tf.cond` branches with Python bools (a branch costs nothing there,
+  a select a full pass over its operands).
+* `run(kernel, owner, *args, jit=...)`: a fold over every variable as one
+  XLA-compiled kernel from a graph-mode step (one launch that reads each
+  operand once), or inline (under XLA, eagerly, or for a small model where
+  the launch costs more than the passes it saves: `worth_compiling`).
+* `at_window_end(boundary, end, every_step)`: the window's update in a
+  `tf.cond` on the boundary; with one micro-batch per window on every step;
+  under XLA on one replica on every micro-step with its writes kept only
+  at the boundary (`keep_where`), since XLA copies every variable a `cond`
+  branch writes on the N - 1 steps that skip it.
+"""
+
+import contextlib
+import weakref
+
+import keras
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+from keras_accum import _replicas
+
+
+def in_xla():
+    """True while tracing for XLA (`jit_compile=True`)."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def where(condition, x, y):
+    """`x` where `condition` holds, else `y`: picked now for a Python bool,
+    selected elementwise (`tf.where`) for a boolean tensor."""
+    if condition is True:
+        return x
+    if condition is False:
+        return y
+    return tf.where(condition, x, y)
+
+
+def by_condition(fn, *conditions):
+    """`fn(*conditions)`, each condition a boolean tensor or None (always
+    True). Under XLA `fn` gets the tensors; elsewhere it runs in nested
+    `tf.cond` branches, each with Python bools."""
+    if in_xla():
+        return fn(*[True if c is None else c for c in conditions])
+    return _branch(fn, list(conditions), [])
+
+
+def _branch(fn, conditions, known):
+    if not conditions:
+        return fn(*known)
+    first, rest = conditions[0], conditions[1:]
+    if first is None:
+        return _branch(fn, rest, known + [True])
+    tf.cond(
+        first,
+        lambda: _branch(fn, rest, known + [True]),
+        lambda: _branch(fn, rest, known + [False]),
+    )
+
+
+# Below this many parameters (all the variables of one fold) the graph-mode
+# fold runs inline as TensorFlow ops: there one more kernel launch costs
+# more than the passes it saves (BENCHMARKS.md, "Graph-mode folds").
+MIN_PARAMETERS = 65536
+
+
+def worth_compiling(tensors):
+    """True when `tensors` (or variables) hold MIN_PARAMETERS or more
+    elements, or a shape is unknown while tracing."""
+    total = 0
+    for tensor in tensors:
+        count = tf.TensorShape(tensor.shape).num_elements()
+        if count is None:
+            return True
+        total += count
+    return total >= MIN_PARAMETERS
+
+
+# Per owner (an optimizer): its traces go when it goes.
+_COMPILED = weakref.WeakKeyDictionary()
+
+
+def run(kernel, owner, *args, jit=True):
+    """`kernel(*args)`: inline when executing eagerly, under XLA (it fuses
+    into the caller's kernels) or when `jit` is False, else as one
+    XLA-compiled `tf.function` built once per `owner`. Variables are passed
+    as handles: in replica context a distributed variable's handle is the
+    local replica's component, so one kernel serves every replica."""
+    if tf.executing_eagerly() or in_xla() or not jit:
+        return kernel(*args)
+    kernels = _COMPILED.setdefault(owner, {})
+    if kernel not in kernels:
+        kernels[kernel] = tf.function(kernel, jit_compile=True, autograph=False)
+    return kernels[kernel](*args)
+
+
+def at_window_end(boundary, end, every_step):
+    """Runs the window's update `end(keep)` where `boundary` holds.
+
+    `every_step`: every micro-batch ends a window, `end(None)` runs
+    directly. Under XLA on one replica `end(boundary)` runs on every
+    micro-step and must keep its writes only where `boundary` holds (see
+    `keep_where`). Elsewhere `end(None)` runs in a `tf.cond`.
+    """
+    if every_step:
+        end(None)
+    elif in_xla() and _replicas.count() == 1:
+        end(boundary)
+    else:
+        tf.cond(boundary, lambda: end(None), lambda: None)
+
+
+def _key(variable):
+    """The `tf.Variable` behind a Keras variable (both are passed around)."""
+    return id(variable.value if isinstance(variable, keras.Variable) else variable)
+
+
+class KeptWrites:
+    """Writes to `variables` that hold only where `keep` (a boolean scalar
+    tensor) is True; elsewhere each variable keeps its value from before.
+
+    A select, `where(keep, new, old)`, fuses into the pass that computes
+    `new` and writes the variable in place. The update's own writes of slots
+    and variables go through `assign`, so that the rest of the update reads
+    the kept value, as plain Adam reads its new moments: selecting only
+    after the whole update would leave two readers of each old slot, and
+    XLA copies a buffer that one pass reads while another overwrites it.
+    """
+
+    def __init__(self, keep, variables):
+        self.keep = keep
+        self._variables = list(variables)
+        self._before = {_key(v): tf.identity(tf.convert_to_tensor(v)) for v in self._variables}
+        self._selected = set()
+
+    def assign(self, assign, variable, value, mode="assign"):
+        """variable = where(keep, new, old), where new is `value` (mode
+        "assign"), old + value ("assign_add") or old - value ("assign_sub")
+        and old its value before the update; written with `assign(variable,
+        tensor)`."""
+        current = tf.convert_to_tensor(variable)
+        value = tf.cast(tf.convert_to_tensor(value), current.dtype)
+        new = {"assign": value, "assign_add": current + value, "assign_sub": current - value}[mode]
+        old = self._before.get(_key(variable), current)
+        assign(variable, tf.where(self.keep, new, old))
+        self._selected.add(_key(variable))
+
+    def restore(self, reselect=()):
+        """Puts back the old value where `keep` is False in every variable
+        not written by `assign` (and in those of `reselect`, which may have
+        been written otherwise after it). An untouched variable becomes
+        where(keep, x, x) = x, which XLA drops."""
+        again = {_key(v) for v in reselect}
+        for variable in self._variables:
+            key = _key(variable)
+            if key in self._selected and key not in again:
+                continue
+            variable.assign(tf.where(self.keep, tf.convert_to_tensor(variable), self._before[key]))
+
+    @contextlib.contextmanager
+    def routing(self, optimizer):
+        """Routes `optimizer.assign`, `assign_add` and `assign_sub` through
+        `assign` while the update runs.
+
+        A keras_accum optimizer reads `optimizer.kept_writes` in its own
+        `assign*` methods. A Keras optimizer (the one `GradientAccumulation`
+        wraps) writes its slots with `assign*` from inside its
+        `update_step`, which takes no such argument: there, and only there,
+        the three methods are replaced on the instance for the duration."""
+        names = ("assign", "assign_add", "assign_sub")
+        if hasattr(optimizer, "kept_writes"):
+            optimizer.kept_writes = self
+            try:
+                yield
+            finally:
+                optimizer.kept_writes = None
+            return
+        # The kept value is whole: written with the class's own `assign`.
+        write = lambda variable, value: type(optimizer).assign(optimizer, variable, value)
+        for name in names:
+
+            def assign(variable, value, mode=name):
+                self.assign(write, variable, value, mode)
+
+            setattr(optimizer, name, assign)
+        try:
+            yield
+        finally:
+            for name in names:
+                delattr(optimizer, name)
+
+
+def keep_where(keep, trainable_variables, state, optimizers, write):
+    """Runs `write()` and keeps its writes only where `keep` holds.
+
+    `state`: every variable the update may write, `trainable_variables`
+    included; it writes them directly or through the `assign*` methods of
+    `optimizers`.
+    """
+    kept = KeptWrites(keep, state)
+    with contextlib.ExitStack() as stack:
+        for optimizer in optimizers:
+            stack.enter_context(kept.routing(optimizer))
+        write()
+    # Written again after the update's `assign*`: by a constraint, or by an
+    # EMA overwrite (all of them); the kept select must cover those again.
+    again = [v for v in trainable_variables if v.constraint is not None]
+    if any(o.use_ema and o.ema_overwrite_frequency for o in optimizers):
+        again = trainable_variables
+    kept.restore(reselect=again)

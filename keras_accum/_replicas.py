@@ -1,0 +1,147 @@
+"""Everything the optimizers do across replicas, in one place.
+
+The optimizers' files make no `tf.distribute` call: the base class enters
+cross-replica context (`merge_call`, in `AccumulationOptimizer.apply`) and
+the hooks it calls use these verbs, which work the same on one device and
+under `MirroredStrategy` / `MultiWorkerMirroredStrategy`:
+
+* `for_each_replica(fn, *args)`: cross-replica -> each replica runs `fn`
+  on its own share of per-replica `args`;
+* `update_each(variables, fn, *args)`: `fn(variable, *args)` on every copy
+  of each (mirrored) variable;
+* `sum_over_replicas(pairs)`: one batched all-reduce (SUM) of
+  (per-replica value, destination variable) pairs;
+* `add_local_variable`, `read_total`, `assign_total`, `scatter_add`:
+  replica-local (sync-on-read) state, each replica holding its own part.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+from keras import initializers
+
+
+def strategy():
+    """The strategy in scope (the default one on one device)."""
+    return tf.distribute.get_strategy()
+
+
+def count():
+    """Replicas in sync, in either context."""
+    context = tf.distribute.get_replica_context()
+    if context is not None:
+        return context.num_replicas_in_sync
+    return strategy().num_replicas_in_sync
+
+
+def is_first_replica():
+    """Replica context: a boolean tensor, True on replica 0."""
+    return tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+
+
+def replica_id():
+    """This replica's id as a Python int where known while tracing, else
+    None (also in cross-replica context)."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return None
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    return None if replica is None else int(replica)
+
+
+def merge(fn, *args):
+    """Replica context -> `fn(*args)` once, in cross-replica context (its
+    arguments become per-replica values). The one sync point of `apply`."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        raise ValueError("must be called in a replica context (inside `strategy.run`)")
+    return context.merge_call(lambda _, *a: fn(*a), args=args)
+
+
+def for_each_replica(fn, *args):
+    """Cross-replica context -> `fn(*args)` on each replica (replica
+    context), per-replica arguments unwrapped. Returns per-replica values."""
+    return strategy().extended.call_for_each_replica(fn, args=args)
+
+
+def update_each(variables, fn, *args):
+    """`fn(variable, *args)` for each variable, on each of its copies
+    (cross-replica context); mirrored `args` are unwrapped per copy."""
+    extended = strategy().extended
+    for variable in variables:
+        extended.update(getattr(variable, "value", variable), fn, args=args, group=False)
+
+
+def sum_over_replicas(pairs):
+    """[sum over replicas of value] for (per-replica value, variable) pairs,
+    each total placed with its variable: one batched all-reduce."""
+    if not pairs:
+        return []
+    pairs = [(value, getattr(variable, "value", variable)) for value, variable in pairs]
+    return strategy().extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+
+
+def sum_scalars(value):
+    """Cross-replica sum of a per-replica tensor (a small one), on the host."""
+    return strategy().reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+
+
+def local_value(value):
+    """The first local replica's component of a distributed value (a value
+    every replica holds alike), or `value` itself."""
+    return strategy().experimental_local_results(value)[0]
+
+
+def is_per_replica(value):
+    return isinstance(value, tf.distribute.DistributedValues)
+
+
+def add_local_variable(optimizer, shape, dtype, name, reference=None):
+    """A replica-local variable of `optimizer`: each replica holds its own
+    part, a read in cross-replica context (or a checkpoint) sees the sum,
+    and a cross-replica assign splits the value evenly over the replicas.
+    With `reference` (a model variable) it is named after it and placed
+    with it."""
+    colocate = contextlib.nullcontext()
+    if reference is not None:
+        prefix = getattr(reference, "path", reference.name)
+        name = f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
+        colocate = optimizer._distribution_strategy.extended.colocate_vars_with(
+            getattr(reference, "value", reference)
+        )
+    with colocate, keras.name_scope(optimizer.name, caller=optimizer):
+        variable = keras.Variable(
+            initializer=initializers.get("zeros"),
+            shape=shape,
+            dtype=dtype,
+            trainable=False,
+            aggregation="sum",
+            synchronization="on_read",
+            name=name,
+        )
+    optimizer._track_variable(variable)
+    return variable
+
+
+def read_total(variable):
+    """Value of a replica-local variable summed over replicas. Called in
+    cross-replica context, where reading such a variable performs the
+    reduction."""
+    return tf.convert_to_tensor(variable.value)
+
+
+def assign_total(variable, value):
+    """Cross-replica assign to a replica-local variable: each replica gets
+    value / replicas. No read-back (that would be one more reduction)."""
+    variable.value.assign(tf.cast(value, variable.dtype), read_value=False)
+
+
+def scatter_add(variable, slices):
+    """variable[slices.indices] += slices.values, repeated rows summed: a
+    write of the rows seen, not of the whole variable. Through the variable's
+    handle, which in replica context is the local replica's component (a
+    replica-local variable has no `scatter_add` of its own)."""
+    tf.raw_ops.ResourceScatterAdd(
+        resource=variable.handle, indices=slices.indices, updates=slices.values
+    )

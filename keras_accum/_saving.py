@@ -1,0 +1,88 @@
+"""Restoring an accumulating optimizer's state, or refusing to lose it.
+
+Keras skips loading, with a mere warning, when the saved optimizer has
+another number of variables (for example a changed `steps`): the run would
+silently restart its moments and lose the window in progress. Here a
+mismatch raises, and a state loaded before the optimizer is built (a model
+compiled but not trained yet) is kept and restored when it is built.
+"""
+
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+
+class StateMixin:
+    """`get_weights`, `set_weights` and checkpoint loading of
+    `keras_accum.base.AccumulationOptimizer`."""
+
+    def get_weights(self):
+        """Values of `variables`: the whole state, a wrapped optimizer's too."""
+        return [v.numpy() for v in self.variables]
+
+    def set_weights(self, weights):
+        """Sets every variable of `variables` (for `GradientAccumulation`
+        the inner optimizer's too), in the order `get_weights` returns."""
+        if not self.built:
+            raise ValueError("Build the optimizer before calling `set_weights()`.")
+        if len(weights) != len(self.variables):
+            raise ValueError(
+                f"`weights` must hold {len(self.variables)} arrays. "
+                f"Received: len(weights)={len(weights)}"
+            )
+        for variable, weight in zip(self.variables, weights):
+            if tuple(variable.shape) != tuple(np.shape(weight)):
+                raise ValueError(
+                    f"Optimizer variable {variable.path} has shape "
+                    f"{tuple(variable.shape)}. Received: weight shape "
+                    f"{tuple(np.shape(weight))}"
+                )
+            variable.assign(weight)
+
+    def load_own_variables(self, store):
+        saved = len(store.keys())
+        if saved == len(self.variables):
+            super().load_own_variables(store)
+        elif not self.built:
+            # `load_weights` into a model compiled but not trained yet: the
+            # state is restored when the optimizer is built (its first step).
+            self._deferred_state = [np.array(store[str(i)]) for i in range(saved)]
+        elif saved == getattr(self, "_unbuilt_count", None):
+            warnings.warn(
+                f"Optimizer '{self.name}' was saved before its first step: no "
+                "state to restore, it starts afresh.",
+                stacklevel=2,
+            )
+        else:
+            raise self._mismatch(saved)
+
+    def _mismatch(self, saved):
+        return ValueError(
+            f"Cannot restore optimizer '{self.name}': it has {len(self.variables)} "
+            f"variables, the saved state has {saved}. Was it saved with another "
+            "`steps` or another optimizer? Rebuild it as saved, or leave the "
+            "optimizer's state out (`load_model(..., compile=False)`, "
+            "`load_weights(..., skip_mismatch=True)`)."
+        )
+
+    def _restore_deferred_state(self):
+        """End of `build`: the state `load_own_variables` kept for later."""
+        state = getattr(self, "_deferred_state", None)
+        if state is None:
+            return
+        self._deferred_state = None
+        if len(state) == self._unbuilt_count:
+            return  # saved before its first step: nothing to restore
+        if len(state) != len(self.variables):
+            # Too late to raise where `load_weights(skip_mismatch=True)` could
+            # catch it: skip loudly, as Keras does (e.g. pretrained layer
+            # weights saved with another optimizer).
+            warnings.warn(
+                f"{self._mismatch(len(state))} Its saved state is skipped: it starts afresh.",
+                stacklevel=2,
+            )
+            return
+        with tf.init_scope():  # once, eagerly, also when built while tracing
+            for variable, value in zip(self.variables, state):
+                variable.assign(value)
