@@ -47,7 +47,7 @@ class StateMixin:
         elif not self.built:
             # `load_weights` into a model compiled but not trained yet: the
             # state is restored when the optimizer is built (its first step).
-            self._deferred_state = [np.array(store[str(i)]) for i in range(saved)]
+            self._defer_state([np.array(store[str(i)]) for i in range(saved)])
         elif saved == getattr(self, "_unbuilt_count", None):
             warnings.warn(
                 f"Optimizer '{self.name}' was saved before its first step: no "
@@ -56,6 +56,10 @@ class StateMixin:
             )
         else:
             raise self._mismatch(saved)
+
+    def _defer_state(self, state):
+        """Keeps a loaded state until `build` (`_restore_deferred_state`)."""
+        self._deferred_state = state
 
     def _mismatch(self, saved):
         return ValueError(

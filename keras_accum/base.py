@@ -38,6 +38,7 @@ State, field by field (creation order is the checkpoint format):
 in the current window, for `"skip_window"`), then each subclass's slots.
 """
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,9 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
     # True when "skip_window" checks the window's state at its end instead
     # of counting non-finite micro-batches in `window_bad`.
     _checks_window_sums = False
+    # True when `apply(weight=...)` weighs the micro-batch (a weighted
+    # window mean); the others refuse a weight rather than ignore it.
+    takes_weights = False
     # Set while a kept update runs (`_execution.keep_where`): writes through
     # `assign*` then hold only at the window's boundary.
     kept_writes = None
@@ -106,6 +110,39 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
     def _counter(self, name):
         counter = getattr(self, name, None)
         return tf.constant(0, "int64") if counter is None else counter
+
+    def pending_micro_batches(self) -> int:
+        """Micro-batches (per replica) folded into the current window and
+        not applied yet: 0 at a window's boundary. Eager only."""
+        if not self.built:
+            return 0
+        step = int(self._micro_step.numpy())
+        if isinstance(self.steps, int):
+            return step % self.steps
+        end, size = int(self._window_end.numpy()), int(self._window_size.numpy())
+        return 0 if step >= end else step - (end - size)
+
+    def finalize_variable_values(self, var_list):
+        # Keras's `fit` calls this once, when training ends.
+        self._warn_pending_window()
+        super().finalize_variable_values(var_list)
+
+    def _warn_pending_window(self):
+        """Says so when training ends inside a window, whose micro-batches
+        are accumulated but not applied."""
+        if not tf.executing_eagerly():
+            return
+        pending = self.pending_micro_batches()
+        if pending:
+            size = self.steps if isinstance(self.steps, int) else int(self._window_size.numpy())
+            warnings.warn(
+                f"{type(self).__name__} '{self.name}': training ended inside a window: "
+                f"{pending} of its {size} micro-batches (per replica) are accumulated "
+                "but not applied. They are applied if training goes on with this "
+                "optimizer (its state is saved with it); to end on an update, make "
+                "the micro-batches trained a multiple of `steps`.",
+                stacklevel=3,
+            )
 
     def has_updated(self):
         """True when the last `apply` call ended a window (an update was
@@ -171,7 +208,10 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
                 f"({len(trainable_variables)} variables). "
                 f"Received: len(grads)={len(grads)}"
             )
+        if not self.takes_weights:
+            self._refuse_weight(weight)
         weight = weighing.check_weight(weight)
+        self._check_strategy()
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -197,6 +237,40 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
             grads = [_tensors.map_values(unscale, g) for g in grads]
         with keras.name_scope(self.name, caller=self):
             _replicas.merge(self._merge_apply, grads, [v for _, v in pairs], weight, overwrite)
+
+    def _check_strategy(self):
+        """The strategy in scope must be the one this optimizer (and one it
+        wraps) was created under, else TensorFlow fails later, naming
+        neither."""
+        strategy = tf.distribute.get_strategy()
+        for optimizer in self._updating_optimizers():
+            if optimizer._distribution_strategy is not strategy:
+                raise ValueError(
+                    f"Optimizer '{optimizer.name}' ({type(optimizer).__name__}) was created "
+                    f"under another tf.distribute strategy than the "
+                    f"{type(strategy).__name__} it is applied in: create it, and any "
+                    "optimizer it wraps, inside `strategy.scope()`, with the model. "
+                    f"Received: created under {type(optimizer._distribution_strategy).__name__}"
+                )
+
+    def _refuse_weight(self, weight):
+        """A weight this optimizer would ignore: an error, never a no-op."""
+        name = type(self).__name__
+        if weight is not None:
+            weighing.check_weight(weight)  # a bad value is named as such first
+            raise ValueError(
+                f"`weight` is not used by {name}: its window averages "
+                "micro-batches equally (see its docstring). Pass no weight, or "
+                "use GradientAccumulation(keras.optimizers.Adam(...)) for a "
+                f"mean weighted by item counts. Received: weight={weight!r}"
+            )
+        if weighing.pending_weight() is not None:
+            raise ValueError(
+                f"`weigh_micro_batches(model)` has no effect with {name}, which "
+                "averages micro-batches equally: compile the model with "
+                "GradientAccumulation(...) to weigh them, or build the model "
+                f"again without it. Received: optimizer={self.name!r}"
+            )
 
     def _merge_apply(self, grads, trainable_variables, weight, overwrite):
         # Cross-replica context from here on: `grads` are per-replica values.

@@ -62,6 +62,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
     """
 
     _checks_window_sums = True  # "skip_window": see `_read_window`
+    takes_weights = True
 
     def __init__(
         self,
@@ -100,14 +101,50 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def build(self, var_list):
         if self.built:
             return
-        super().build(var_list)
+        self._building = True  # Keras's build must not see the inner EMA
+        try:
+            super().build(var_list)
+        finally:
+            self._building = False
         self._accumulators = [
             self.add_local_variable(v.shape, "float32", "accumulator", reference=v)
             for v in var_list
         ]
         self._weight = self.add_local_variable((), "float32", "weight")
         self.inner_optimizer.build(var_list)
+        self.inner_optimizer.__dict__.pop("load_own_variables", None)  # see `_defer_state`
         self._restore_deferred_state()
+
+    # EMA of the weights is the inner optimizer's (it runs at the inner
+    # step, once per window). The wrapper shows it as its own, so that code
+    # that looks for it on the compiled optimizer, or one level below a
+    # `LossScaleOptimizer` (Keras's `SwapEMAWeights`), finds it.
+
+    _building = False
+
+    @property
+    def use_ema(self):
+        inner = getattr(self, "inner_optimizer", None)
+        return bool(inner is not None and inner.use_ema and not self._building)
+
+    @use_ema.setter
+    def use_ema(self, value):
+        if value:  # Keras's constructor sets it to False
+            raise ValueError(
+                "Set `use_ema` on the wrapped optimizer: GradientAccumulation("
+                "keras.optimizers.AdamW(..., use_ema=True)). Received: use_ema=True"
+            )
+
+    @property
+    def _model_variables_moving_average(self):
+        return self.inner_optimizer._model_variables_moving_average
+
+    def _defer_state(self, state):
+        super()._defer_state(state)
+        # Keras's saving then visits the inner optimizer on its own and, as
+        # it is not built yet, warns that it skips its variables: they are
+        # part of the state just kept, restored when this optimizer is built.
+        self.inner_optimizer.load_own_variables = lambda store: None
 
     @property
     def variables(self):
@@ -129,6 +166,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
+        self._warn_pending_window()
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def apply(

@@ -45,6 +45,8 @@ def all_finite(grads):
     elementwise there, the rest by their sums (BENCHMARKS.md, "Non-finite
     check")."""
     grads = [_tensors.values_of(g) for g in grads]
+    if not grads:
+        return tf.constant(True)
     small, large = [], list(grads)
     if in_xla():
         small = [g for g in grads if _elements(g) < SMALL]

@@ -131,6 +131,13 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
             f"Received: model={model.name!r} (not compiled)"
         )
     _reduction(model)  # refuse a loss it cannot weigh now, not at the first step
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # a loss scaler's
+    if getattr(optimizer, "takes_weights", True) is False:
+        raise ValueError(
+            f"`weigh_micro_batches` has no effect with {type(optimizer).__name__}, which "
+            "averages micro-batches equally; compile with GradientAccumulation(...) "
+            f"to weigh them. Received: optimizer={optimizer.name!r}"
+        )
     original_step, original_loss = model.train_step, model.compute_loss
     pass_training = getattr(model, "_compute_loss_has_training_arg", True)
 

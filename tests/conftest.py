@@ -33,12 +33,12 @@ def mirrored_strategy():
 
 
 def micro_steps(trainer, dataset, count):
-    """Feeds the first `count` batches of `dataset` to `trainer.micro_step`,
+    """Feeds the first `count` batches of `dataset` to `trainer.micro_batch_step`,
     one global micro-batch per call (a fresh iterator: the trainer's data
     counters, not the iterator, carry the position across a restore)."""
     iterator = iter(trainer.distribute(dataset))
     for _ in range(count):
-        trainer.micro_step(iterator)
+        trainer.micro_batch_step(iterator)
 
 
 # A worker script run as a subprocess, not a test module (doctest collection

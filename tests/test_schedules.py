@@ -375,7 +375,7 @@ def test_adaptive_steps_change_at_window_starts_and_are_saved(tmp_path):
 
 
 def test_custom_loop_resumes_mid_window_across_a_switch(tmp_path):
-    # Trainer.micro_step on 2 replicas, one global micro-batch of 4 per call;
+    # Trainer.micro_batch_step on 2 replicas, one global micro-batch of 4 per call;
     # windows of 2, 2, 4, 4 calls. Saved at 5 calls (inside the first window
     # of 4; the fit test also saves before the switch), restored into fresh
     # objects, continued to 12: equal to the uninterrupted run.

@@ -134,3 +134,125 @@ def test_a_users_tf_function_traces_without_autograph_warnings():
         tf.get_logger().removeHandler(handler)
     assert int(optimizer.micro_step) == 1
     assert not [r for r in records if "AutoGraph could not transform" in r.getMessage()]
+
+
+# -- Found by outside users of 0.2.0 ---------------------------------------
+
+
+def _dense_model(optimizer, outputs=1):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(outputs)])
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_swap_ema_weights_sees_the_wrapped_optimizers_ema(policy):
+    # Under mixed_float16 Keras's callback unwraps the loss scaler and lands
+    # on the wrapper: it must show the inner optimizer's EMA.
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        inner = keras.optimizers.AdamW(0.1, use_ema=True, ema_momentum=0.5)
+        model = _dense_model(ka.GradientAccumulation(inner, steps=2))
+        x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+        swap = keras.callbacks.SwapEMAWeights(swap_on_epoch=True)
+        model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[swap])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    optimizer = model.optimizer
+    if policy == "mixed_float16":
+        optimizer = optimizer.inner_optimizer  # the loss scaler's
+    assert optimizer.use_ema and len(optimizer._model_variables_moving_average) == 2
+    # At the end of fit the callback leaves the moving averages in the model.
+    for weight, average in zip(model.trainable_weights, inner._model_variables_moving_average):
+        np.testing.assert_array_equal(weight.numpy(), average.numpy())
+    # The wrapper builds no EMA of its own.
+    assert not any("average" in v.path for v in optimizer._variables)
+
+
+def test_load_weights_into_a_fresh_wrapper_warns_of_nothing(tmp_path, recwarn):
+    make = lambda: _dense_model(ka.GradientAccumulation(keras.optimizers.Adam(0.1), steps=2))
+    model = make()
+    x = np.ones((8, 3), "float32")
+    model.fit(x, x[:, :1], batch_size=2, verbose=0)
+    model.save_weights(tmp_path / "w.weights.h5")
+    recwarn.clear()
+    restored = make()
+    restored.load_weights(tmp_path / "w.weights.h5")
+    assert not [str(w.message) for w in recwarn.list if "Skipping" in str(w.message)]
+    restored.optimizer.build(restored.trainable_variables)  # restores the state
+    for ours, saved in zip(restored.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(ours.numpy(), saved.numpy())
+
+
+def test_load_weights_of_another_steps_still_warns(tmp_path):
+    # A true loss of state (saved with steps=2, loaded with steps=3 into a
+    # model that then builds) is still said.
+    model = _dense_model(ka.InvariantAdam(0.1, steps=2))
+    x = np.ones((8, 3), "float32")
+    model.fit(x, x[:, :1], batch_size=2, verbose=0)
+    model.save_weights(tmp_path / "w.weights.h5")
+    schedule = ka.PiecewiseSteps([4], [3, 3])  # one more pair of window variables
+    restored = _dense_model(ka.InvariantAdam(0.1, steps=schedule))
+    restored.load_weights(tmp_path / "w.weights.h5")
+    with pytest.warns(UserWarning, match="Cannot restore optimizer"):
+        restored.optimizer.build(restored.trainable_variables)
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_fit_ending_inside_a_window_says_so(name):
+    # 60 examples, micro-batch 4, steps=4: 15 micro-batches, 3 never applied.
+    model = _dense_model(MAKERS[name](steps=4))
+    x = np.ones((60, 3), "float32")
+    with pytest.warns(UserWarning, match=r"ended inside a window: 3 of its 4 micro-batches"):
+        model.fit(x, x[:, :1], batch_size=4, verbose=0)
+    assert model.optimizer.pending_micro_batches() == 3
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_fit_ending_on_a_boundary_warns_of_nothing(name, recwarn):
+    model = _dense_model(MAKERS[name](steps=4))
+    x = np.ones((64, 3), "float32")
+    model.fit(x, x[:, :1], batch_size=4, verbose=0)
+    assert not [w for w in recwarn.list if "inside a window" in str(w.message)]
+    assert model.optimizer.pending_micro_batches() == 0
+
+
+def test_pending_micro_batches_follow_a_schedule():
+    variable = keras.Variable(np.zeros(2, "float32"))
+    optimizer = ka.InvariantAdam(0.1, steps=ka.PiecewiseSteps([2], [2, 3]))
+    seen = []
+    for _ in range(6):
+        optimizer.apply([tf.ones(2)], [variable])
+        seen.append(optimizer.pending_micro_batches())
+    assert seen == [1, 0, 1, 2, 0, 1]
+
+
+def test_loss_scaler_around_overwrite_only_variables():
+    # Only float8-style scales (overwritten with their gradient): the window
+    # check got an empty list and raised IndexError.
+    scale = keras.Variable(np.ones(()), dtype="float32")
+    scale.overwrite_with_gradient = True
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        ka.GradientAccumulation(keras.optimizers.Adam(0.1), steps=2)
+    )
+    optimizer.apply([tf.constant(3.0)], [scale])
+    optimizer.apply([tf.constant(5.0)], [scale])
+    assert float(scale.numpy()) == 5.0
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["optimizer", "inner_optimizer"])
+def test_optimizer_created_outside_the_scope_is_named(wrapped):
+    from conftest import mirrored_strategy
+
+    strategy = mirrored_strategy()
+    inner = keras.optimizers.Adam(0.1)  # outside the scope
+    with strategy.scope():
+        variable = keras.Variable(np.zeros(2, "float32"))
+        if wrapped:
+            optimizer = ka.GradientAccumulation(inner, steps=2)
+    if not wrapped:
+        optimizer = ka.GradientAccumulation(keras.optimizers.Adam(0.1), steps=2)
+    name = inner.name if wrapped else optimizer.name
+    with pytest.raises(ValueError, match=rf"Optimizer '{name}' .*strategy.scope\(\)"):
+        strategy.run(lambda: optimizer.apply([tf.ones(2)], [variable]))

@@ -20,7 +20,7 @@ from keras_accum.training.distribute import (
     is_chief,
     strategy_from_environment,
 )
-from keras_accum.training.step import LAST_BATCH_POLICIES, Trainer, peek_batch_size
+from keras_accum.training.trainer import LAST_BATCH_POLICIES, Trainer, peek_batch_size
 
 __all__ = [
     "CheckpointError",

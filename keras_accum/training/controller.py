@@ -22,11 +22,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_accum.gradient_accumulation import GradientAccumulation
 from keras_accum.training import checkpoints
 from keras_accum.training import logs as run_logs
 from keras_accum.training.distribute import is_chief, peer_errors
-from keras_accum.training.step import Trainer, peek_batch_size, window_steps
+from keras_accum.training.trainer import Trainer, peek_batch_size, steps_per_update
 from keras_accum.validation import check_int
 
 # Fields of a window's logs that are not TensorBoard scalars.
@@ -139,7 +138,7 @@ class Controller:
         self.callbacks, self.chief = list(callbacks), is_chief(trainer.strategy)
         self.verbose = verbose and self.chief
         self.directory = workdir and os.path.join(workdir, "checkpoints")
-        self.shown = ["loss"] + [name for name, _ in trainer._metrics]
+        self.shown = ["loss"] + trainer.metric_names
         with trainer.strategy.scope():
             # Running sums of the current epoch: [windows, loss, metrics...].
             self.epoch_sums = tf.Variable(
@@ -164,7 +163,7 @@ class Controller:
             raise ValueError(
                 "`optimizer` is in the middle of a window (micro_step="
                 f"{int(optimizer.micro_step.numpy())}, steps={steps}); finish "
-                "it with `Trainer.micro_step` before training whole windows."
+                "it with `Trainer.micro_batch_step` before training whole windows."
             )
         self.saved = int(trainer.batches.numpy())
         self.log = _Log(self.workdir, self.chief, self.saved, int(trainer.epoch.numpy()))
@@ -245,7 +244,7 @@ class Controller:
             logs["items"] < self.global_batch
             and self.trainer.steps > 1
             and not self.warned
-            and not isinstance(optimizer, GradientAccumulation)
+            and not getattr(optimizer, "takes_weights", False)
         ):
             warnings.warn(
                 f"A short batch ({int(logs['items'])} < {self.global_batch} "
@@ -337,11 +336,11 @@ def train(
     if verbose not in (0, 1):
         raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
     global_batch = peek_batch_size(dataset)
-    opt_steps = window_steps(optimizer)
+    opt_steps = steps_per_update(optimizer)
     if opt_steps is None:
         raise ValueError(
             "`train` needs a constant `steps`; with a schedule drive "
-            "`Trainer.micro_step` over a dataset of micro-batches. "
+            "`Trainer.micro_batch_step` over a dataset of micro-batches. "
             f"Received: steps={optimizer.steps!r}"
         )
     micro = _check_split(

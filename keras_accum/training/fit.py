@@ -10,8 +10,10 @@ resumed to the rows and weights of an uninterrupted run:
   replica's part of the optimizer's replica-local variables.
 * `FlushingTensorBoard` is Keras's TensorBoard callback flushed at each
   epoch end, so the events of a checkpointed epoch are on disk.
-* `resume_fit` finds the newest intact checkpoint, loads it and rewinds
-  metrics.csv and the TensorBoard events to the epochs it holds.
+* `find_resume` finds the newest intact checkpoint, `load_resume` loads
+  it, `restore_state` gives the callbacks their state back and
+  `rewind_logs` cuts metrics.csv and the TensorBoard events back to the
+  epochs it holds.
 
 The data position is the epoch count: the training stream must be a
 deterministic function of it (e.g. a seeded stream that skips

@@ -6,14 +6,14 @@ import keras
 import tensorflow as tf
 
 
-def _per_item(values, rank):
+def per_item(values, rank):
     """Mean over the axes beyond `rank` (the sample weight's rank)."""
     values = tf.convert_to_tensor(values)
     extra = list(range(rank, values.shape.rank))
     return tf.reduce_mean(values, axis=extra) if extra else values
 
 
-def _resolve_loss(loss_fn):
+def resolve_loss(loss_fn):
     if isinstance(loss_fn, str):
         loss_fn = keras.losses.get(loss_fn)
     if isinstance(loss_fn, keras.losses.Loss):
@@ -34,7 +34,7 @@ def _accuracy(y_true, y_pred):
     return keras.metrics.sparse_categorical_accuracy(y_true, y_pred)
 
 
-def _resolve_metrics(metrics):
+def resolve_metrics(metrics):
     """(name, per-item function) pairs. Keras metrics that are means of a
     per-item function (MeanMetricWrapper: accuracies, mae, ...) are used
     through that function; the loop keeps its own replica-local sums."""

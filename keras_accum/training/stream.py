@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras_accum.training.distribute import data_sharded
 
 
-def _split(batch):
+def split_batch(batch):
     """(x, y, sample_weight or None) from a dataset element."""
     if not isinstance(batch, tuple) or len(batch) not in (2, 3):
         raise ValueError(
@@ -27,7 +27,7 @@ def _split(batch):
     return batch if len(batch) == 3 else (*batch, None)
 
 
-def _size(batch):
+def batch_size(batch):
     return tf.shape(tf.nest.flatten(batch)[0])[0]
 
 
@@ -47,7 +47,7 @@ def peek_batch_size(dataset):
     first = next(iter(dataset.take(1)), None)
     if first is None:
         raise ValueError(f"`dataset` is empty. Received: dataset={dataset!r}")
-    return int(_size(_split(first)))
+    return int(batch_size(split_batch(first)))
 
 
 def _end_marker(dataset):
@@ -71,8 +71,8 @@ def replay(dataset, strategy, *, position, epochs, full_batch=None):
     """The distributed stream of `epochs` passes over `dataset` (an end
     marker after each), from `position` on. Empty batches are dropped, and
     with `full_batch` the batches of another size too."""
-    dataset = dataset.filter(lambda *b: _size(b) > 0)
+    dataset = dataset.filter(lambda *b: batch_size(b) > 0)
     if full_batch is not None:
-        dataset = dataset.filter(lambda *b: _size(b) == full_batch)
+        dataset = dataset.filter(lambda *b: batch_size(b) == full_batch)
     stream = dataset.concatenate(_end_marker(dataset)).repeat(epochs)
     return strategy.experimental_distribute_dataset(data_sharded(stream.skip(position)))

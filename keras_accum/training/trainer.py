@@ -1,8 +1,9 @@
-"""The training loop: one compiled step per window, orbit style.
+"""The Trainer: one compiled step per window, orbit style.
 
-`train(model, optimizer, loss_fn, dataset, ...)` is the importable loop;
-`Trainer` holds the reusable pieces (`train_step`, `micro_step`, `evaluate`,
-`save`, `restore`). Everything runs under a `tf.distribute` strategy: the
+`Trainer` owns one step and nothing else (`train_step`, `micro_batch_step`,
+`evaluate`, `save`, `restore`); the outer loop that drives it (epochs,
+checkpoints, logs, resume) is `keras_accum.training.train`, in
+`controller.py`. Everything runs under a `tf.distribute` strategy: the
 default one (one device), `MirroredStrategy` or `MultiWorkerMirroredStrategy`
 (see `strategy_from_environment` and `keras_accum.training.multiworker`).
 
@@ -70,18 +71,18 @@ import tensorflow as tf
 from keras_accum import base
 from keras_accum.training import checkpoints
 from keras_accum.training.distribute import data_sharded, is_chief
-from keras_accum.training.losses import _per_item, _resolve_loss, _resolve_metrics
-from keras_accum.training.stream import _size, _split, peek_batch_size, replay
+from keras_accum.training.losses import per_item, resolve_loss, resolve_metrics
+from keras_accum.training.stream import batch_size, peek_batch_size, replay, split_batch
 
 LAST_BATCH_POLICIES = ("weighted", "drop")
 
 
-def window_steps(optimizer):
+def steps_per_update(optimizer):
     """Micro-batches per replica per update: a Keras optimizer updates on
     every micro-batch, so it gets one micro-batch per global batch."""
     if isinstance(optimizer, base.AccumulationOptimizer):
         # None for a schedule (keras_accum.PiecewiseSteps, ...): windows of
-        # varying size are fed one micro-batch at a time (`micro_step`).
+        # varying size are fed one micro-batch at a time (`micro_batch_step`).
         return optimizer.steps if isinstance(optimizer.steps, int) else None
     return 1
 
@@ -108,7 +109,7 @@ class Trainer:
 
     * `train_step(iterator)`: one window. The next global batch is split
       into `steps` micro-batches per replica; one `optimizer.apply` each.
-    * `micro_step(iterator)`: the next element is ONE micro-batch per
+    * `micro_batch_step(iterator)`: the next element is ONE micro-batch per
       replica (one `apply`); with a dataset of global micro-batches a window
       then spans `steps` calls, and `save` may fall inside it (the
       optimizer's accumulators are checkpointed).
@@ -138,9 +139,9 @@ class Trainer:
         self.last_batch = last_batch
         self._check_scope(model, optimizer)
         self.model, self.optimizer = model, optimizer
-        self.steps = window_steps(optimizer)
-        self._loss_fn = _resolve_loss(loss_fn)
-        self._metrics = _resolve_metrics(metrics)
+        self.steps = steps_per_update(optimizer)
+        self._loss_fn = resolve_loss(loss_fn)
+        self._metrics = resolve_metrics(metrics)
         with self.strategy.scope():
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
@@ -172,7 +173,7 @@ class Trainer:
             batch_in_epoch=self.batch_in_epoch,
         )
         self.train_step = tf.function(lambda it: self._run(it, self.steps))
-        self.micro_step = tf.function(lambda it: self._run(it, 1))
+        self.micro_batch_step = tf.function(lambda it: self._run(it, 1))
         self._eval_step = tf.function(self._evaluate_batch)
 
     def _check_scope(self, model, optimizer):
@@ -219,10 +220,17 @@ class Trainer:
         """
         full = None
         if self.last_batch == "drop":
-            full = global_batch_size or peek_batch_size(dataset.filter(lambda *b: _size(b) > 0))
+            full = global_batch_size or peek_batch_size(
+                dataset.filter(lambda *b: batch_size(b) > 0)
+            )
         return replay(
             dataset, self.strategy, position=self.position, epochs=epochs, full_batch=full
         )
+
+    @property
+    def metric_names(self) -> list[str]:
+        """Names of the metrics logged beside the loss, in order."""
+        return [name for name, _ in self._metrics]
 
     @property
     def position(self):
@@ -237,7 +245,7 @@ class Trainer:
         if parts is None:
             raise ValueError(
                 "The optimizer's `steps` is a schedule: its windows change size, "
-                "so feed a dataset of micro-batches to `Trainer.micro_step` "
+                "so feed a dataset of micro-batches to `Trainer.micro_batch_step` "
                 f"instead of `train_step`. Received: steps={self.optimizer.steps!r}"
             )
         batch = next(iterator)
@@ -278,8 +286,8 @@ class Trainer:
     def _count(self, batch, parts):
         """Replica context: per part, the global item count (sum of sample
         weights when given), then items in the batch; one all-reduce."""
-        _, _, sample_weight = _split(batch)
-        n = _size(batch)
+        _, _, sample_weight = split_batch(batch)
+        n = batch_size(batch)
         bounds = (tf.range(parts + 1) * n) // parts
         if sample_weight is None:
             counts = tf.cast(bounds[1:] - bounds[:-1], tf.float32)
@@ -293,10 +301,10 @@ class Trainer:
 
     def _micro(self, batch, part, parts, totals):
         """Replica context: one micro-batch, one `optimizer.apply`."""
-        n = _size(batch)
+        n = batch_size(batch)
         lo, hi = (part * n) // parts, ((part + 1) * n) // parts
         x, y, sample_weight = tf.nest.map_structure(
-            lambda t: None if t is None else t[lo:hi], _split(batch)
+            lambda t: None if t is None else t[lo:hi], split_batch(batch)
         )
         count = totals[part]
         model = self.model
@@ -312,7 +320,7 @@ class Trainer:
                 loss += tf.add_n(model.losses) / replicas
         variables = model.trainable_variables
         grads = tape.gradient(loss, variables)
-        if isinstance(self.optimizer, base.AccumulationOptimizer):
+        if getattr(self.optimizer, "takes_weights", False):
             self.optimizer.apply(grads, variables, weight=count)
         else:
             self.optimizer.apply(grads, variables)
@@ -336,7 +344,7 @@ class Trainer:
                     "The loss and metrics must return per-item values, not "
                     f"a reduced scalar. Received: {fn!r}"
                 )
-            values = _per_item(values, 1)
+            values = per_item(values, 1)
             return values, tf.ones_like(values)
         weights = tf.cast(sample_weight, tf.float32)
         if values.shape.rank < weights.shape.rank:
@@ -345,7 +353,7 @@ class Trainer:
                 f"least the sample weight's rank {weights.shape.rank}. "
                 f"Received: values of shape {values.shape} from {fn!r}"
             )
-        return _per_item(values, weights.shape.rank), weights
+        return per_item(values, weights.shape.rank), weights
 
     def _reduce_logs(self):
         """Replica context: this replica's sums plus its skipped micro-batch
@@ -359,7 +367,7 @@ class Trainer:
 
     def _evaluate_batch(self, iterator):
         def replica_fn(batch):
-            x, y, sample_weight = _split(batch)
+            x, y, sample_weight = split_batch(batch)
             sums = self._sums_of(y, self.model(x, training=False), sample_weight)
             return tf.distribute.get_replica_context().all_reduce("sum", sums)
 
