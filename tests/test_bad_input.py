@@ -384,3 +384,24 @@ def test_cross_field_check_error_is_one_config_error():
     with pytest.raises(cfg.ConfigError) as info:
         schema.resolve({"lr": 2.0})
     assert_one_line(str(info.value), "lr=2.0")
+
+
+def test_train_script_prints_a_lost_peer_as_one_line(tmp_path, monkeypatch, capsys):
+    # scripts/train.py turns WorkerLostError into one `error:` line with the
+    # resume command and exit status 3, no traceback.
+    from keras_accum.training import WorkerLostError
+
+    spec = importlib.util.spec_from_file_location("train", ROOT / "scripts" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    message = "Lost a peer worker (UnavailableError). To resume: python scripts/train.py --resume"
+
+    def lost(*args, **kwargs):
+        raise WorkerLostError(message)
+
+    monkeypatch.setattr(experiment, "train_and_evaluate", lost)
+    config = str(ROOT / "saved_configs" / "mnist1d_cnn_invariant.py")
+    code = train.main(["train.py", "--config", config, "--workdir", str(tmp_path / "run")])
+    captured = capsys.readouterr()
+    assert code == 3
+    assert captured.err == f"error: {message}\n"

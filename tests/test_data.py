@@ -14,7 +14,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from tensorflow_datasets.image_classification import mnist
 
-from keras_accum.experiments import data
+from keras_accum.experiments import data, experiment
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_mnist1d_prepared_by_two_processes_at_once(tmp_path):
     # Workers of one job share a data_dir; TFDS deletes other processes'
     # incomplete folders, so unguarded they fail (seen with 2 workers).
     code = (
-        "import sys; from keras_accum.experiments import data; "
+        "import sys; from keras_accum.experiments import data, experiment; "
         "b = data.builder('mnist1d', data_dir=sys.argv[1]); "
         "print(b.info.splits['train'].num_examples)"
     )
@@ -169,3 +169,22 @@ def test_synthetic_tokens_are_deterministic():
     assert tokens.dtype == tf.int32 and labels.dtype == tf.int32
     assert tokens.shape == (8,) + info.input_shape
     assert int(tf.reduce_max(tokens)) < info.vocab_size
+
+
+@pytest.mark.parametrize("start_batch", [0, 3, 5])
+def test_training_stream_ignores_other_iterators(start_batch, monkeypatch):
+    # model.fit under a distribution strategy opens an iterator to peek at
+    # one batch before training. Each iterator must still replay the seeded
+    # order from the start, or a resumed run (which skips more batches in
+    # its peek) trains on a later reshuffle than the uninterrupted one.
+    monkeypatch.setattr(experiment.data, "load", lambda *a, **k: tf.data.Dataset.range(12))
+    config = {"dataset": "mnist1d", "data_dir": None, "seed": 3}
+    keras.utils.set_random_seed(3)
+    order = experiment.training_stream(config, 4, 0).take(start_batch + 9)
+    expected = np.concatenate(list(order.as_numpy_iterator())[start_batch:])
+    stream = experiment.training_stream(config, 4, start_batch)
+    next(iter(stream))  # the peek
+    got = np.concatenate(list(stream.take(9).as_numpy_iterator()))
+    np.testing.assert_array_equal(got, expected)
+    # Three passes over 12 examples: each pass is a permutation.
+    assert sorted(np.concatenate(list(order.as_numpy_iterator()))[:12]) == list(range(12))

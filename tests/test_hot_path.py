@@ -1,5 +1,6 @@
-"""The optimizers' two forms of the same step agree: graph mode folds with
-branches (`tf.cond`), XLA with arithmetic masks (`tf.where`).
+"""Each fold is written once (`keras_accum/folds.py`) and run two ways
+(`keras_accum/_execution.py`): in graph mode in `tf.cond` branches, under
+XLA as arithmetic selects (`tf.where`). The two must agree.
 
 The numpy-reference tests run the graph form; here the XLA form is checked
 against it, state included, over windows with skipped (non-finite)
@@ -86,7 +87,7 @@ def _decay():
 
 
 # Under XLA (one replica) the window's end is computed every micro-step and
-# kept by a select (`keras_accum.kept_writes`), in graph mode it is a
+# kept by a select (`_execution.keep_where`), in graph mode it is a
 # `tf.cond`: every feature that acts at the window's end must agree.
 FEATURES = {
     "ga_adamw_ema_clip": lambda: ka.GradientAccumulation(

@@ -188,29 +188,3 @@ def test_launcher_arguments():
         multiworker.LocalCluster(2, "python job.py")
     ports = multiworker.free_ports(3)
     assert len(set(ports)) == 3
-
-
-def test_train_script_prints_a_lost_peer_as_one_line(tmp_path, monkeypatch, capsys):
-    # scripts/train.py turns WorkerLostError into one `error:` line with the
-    # resume command and exit status 3, no traceback.
-    import importlib.util
-
-    from keras_accum.experiments import experiment
-    from keras_accum.training import WorkerLostError
-
-    spec = importlib.util.spec_from_file_location(
-        "train", os.path.join(ROOT, "scripts", "train.py")
-    )
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    message = "Lost a peer worker (UnavailableError). To resume: python scripts/train.py --resume"
-
-    def lost(*args, **kwargs):
-        raise WorkerLostError(message)
-
-    monkeypatch.setattr(experiment, "train_and_evaluate", lost)
-    config = os.path.join(ROOT, "saved_configs", "mnist1d_cnn_invariant.py")
-    code = train.main(["train.py", "--config", config, "--workdir", str(tmp_path / "run")])
-    captured = capsys.readouterr()
-    assert code == 3
-    assert captured.err == f"error: {message}\n"

@@ -744,24 +744,3 @@ def test_reduced_loss_is_refused():
 def test_bad_last_batch_and_epochs():
     bad(r"last_batch=.*'pad'", last_batch="pad")
     bad(r"Received: epochs=0", epochs=0)
-
-
-@pytest.mark.parametrize("start_batch", [0, 3, 5])
-def test_training_stream_ignores_other_iterators(start_batch, monkeypatch):
-    # model.fit under a distribution strategy opens an iterator to peek at
-    # one batch before training. Each iterator must still replay the seeded
-    # order from the start, or a resumed run (which skips more batches in
-    # its peek) trains on a later reshuffle than the uninterrupted one.
-    from keras_accum.experiments import experiment
-
-    monkeypatch.setattr(experiment.data, "load", lambda *a, **k: tf.data.Dataset.range(12))
-    config = {"dataset": "mnist1d", "data_dir": None, "seed": 3}
-    keras.utils.set_random_seed(3)
-    order = experiment.training_stream(config, 4, 0).take(start_batch + 9)
-    expected = np.concatenate(list(order.as_numpy_iterator())[start_batch:])
-    stream = experiment.training_stream(config, 4, start_batch)
-    next(iter(stream))  # the peek
-    got = np.concatenate(list(stream.take(9).as_numpy_iterator()))
-    np.testing.assert_array_equal(got, expected)
-    # Three passes over 12 examples: each pass is a permutation.
-    assert sorted(np.concatenate(list(order.as_numpy_iterator()))[:12]) == list(range(12))

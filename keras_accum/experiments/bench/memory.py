@@ -3,13 +3,13 @@
 
 import glob
 import os
-import re
 import resource
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_accum._probes import count_copies
 from keras_accum.experiments.bench.config import SETTINGS, run_device
 from keras_accum.experiments.bench.contenders import CONTENDERS
 from keras_accum.experiments.bench.runner import FitRunner
@@ -95,41 +95,6 @@ def measure_tensor_memory(model_name, contender_name, setting_name, config):
         "peak_mb": peak / 2**20,
         "per_param": peak / runner.params,
     }
-
-
-# A copy instruction's output shape, e.g. "%copy.3 = f32[1024,2048]{1,0} copy(".
-_COPY = re.compile(r"= f32\[([\d,]*)\]\S* copy\(")
-
-
-def count_copies(hlo_lines):
-    """Elements moved by `copy` instructions in an optimised HLO module,
-    split by where they run: "entry" (the entry computation: every step),
-    "branches" (in a computation named after a `tf.cond` branch: when the
-    branch is taken) and "other" (fusions, loop bodies, ...).
-
-    Optimizer state is copied in "entry" (a variable read by one pass while
-    another overwrites it in place, or a conditional's result moved into the
-    variable's buffer) and in "branches" (a variable that a `tf.cond` branch
-    writes, carried through the other branch). "other" holds layout copies
-    inside fusions, of activations (the transformer's attention heads,
-    [batch, tokens, heads, width]), not of state.
-    """
-    counts = {"entry": 0, "branches": 0, "other": 0}
-    where = None
-    for line in hlo_lines:
-        if line.endswith("{\n") and not line.startswith(" "):
-            name = line.split(" ", 1)[0]
-            if line.startswith("ENTRY"):
-                where = "entry"
-            elif "_cond" in name or "cond_" in name:
-                where = "branches"  # tf.cond branches keep their names.
-            else:
-                where = "other"
-        match = _COPY.search(line)
-        if match and where:
-            dims = [int(d) for d in match.group(1).split(",") if d]
-            counts[where] += int(np.prod(dims)) if dims else 1
-    return counts
 
 
 def measure_xla_copies(model_name, contender_name, config, dump_dir):

@@ -4,7 +4,6 @@ across replicas more than once per window)."""
 
 import contextlib
 import dataclasses
-import re
 import time
 
 import keras
@@ -13,6 +12,7 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import schedules
+from keras_accum._probes import count_reductions
 
 
 def tf_functions(fn, depth=0, seen=None):
@@ -45,72 +45,6 @@ def bytes_per_parameter(optimizer, model):
         if len(v.shape) > 0
     )
     return total / params, params
-
-
-# A `tf.cond` branch is traced as a FuncGraph named "<scope>_true_<uid>" or
-# "<scope>_false_<uid>" (while loops give "while_body_<uid>" instead).
-_BRANCH = re.compile(r"_(true|false)_\d+$")
-
-
-def _in_conditional():
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        if _BRANCH.search(getattr(graph, "name", "") or ""):
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
-
-
-def _elements(strategy, value):
-    """Elements of one replica's part of a (possibly nested) value."""
-    total = 0
-    for leaf in tf.nest.flatten(value):
-        local = strategy.experimental_local_results(leaf)[0]
-        total += int(np.prod(local.shape)) if local.shape.rank else 1
-    return total
-
-
-@contextlib.contextmanager
-def count_reductions(strategy, optimizer, counts):
-    """Counts, while tracing, the cross-replica reductions that `optimizer`
-    makes (`reduce_to`, `batch_reduce_to`: all-reduces, sync-on-read reads;
-    the loss and metrics' own reductions are left out) and the elements they
-    carry, split into "every_step" (outside any conditional) and
-    "conditional" (inside a `tf.cond` branch: the window's end)."""
-    extended = strategy.extended
-    originals = extended.reduce_to, extended.batch_reduce_to, optimizer.apply_gradients
-    inside = []
-
-    def record(values):
-        if not inside:
-            return
-        where = "conditional" if _in_conditional() else "every_step"
-        counts[where + "_calls"] = counts.get(where + "_calls", 0) + 1
-        size = sum(_elements(strategy, v) for v in values)
-        counts[where + "_elements"] = counts.get(where + "_elements", 0) + size
-
-    def reduce_to(reduce_op, value, destinations, options=None):
-        record([value])
-        return originals[0](reduce_op, value, destinations, options)
-
-    def batch_reduce_to(reduce_op, value_destination_pairs, options=None):
-        pairs = list(value_destination_pairs)
-        record([v for v, _ in pairs])
-        return originals[1](reduce_op, pairs, options)
-
-    def apply_gradients(*args, **kwargs):
-        inside.append(True)
-        try:
-            return originals[2](*args, **kwargs)
-        finally:
-            inside.pop()
-
-    extended.reduce_to, extended.batch_reduce_to = reduce_to, batch_reduce_to
-    optimizer.apply_gradients = apply_gradients
-    try:
-        yield counts
-    finally:
-        del extended.reduce_to, extended.batch_reduce_to, optimizer.apply_gradients
 
 
 class FitRunner:
