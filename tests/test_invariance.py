@@ -24,13 +24,13 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bench(data_dir):
-    """A Trainer on MNIST-1D (compiled loops shared by the tests, as in the
+    """A StudyRunner on MNIST-1D (compiled loops shared by the tests, as in the
     study), seed 0's initial weights and micro-batch stream."""
     info = data.dataset_info("mnist1d", data_dir)
     x, y = invariance.load_arrays("mnist1d", "train", data_dir)
     test = invariance.load_arrays("mnist1d", "test", data_dir)
     eval_data = {"train": (x[:500], y[:500]), "test": test}
-    trainer = invariance.Trainer("mlp", info.input_shape, info.num_classes, eval_data)
+    trainer = invariance.StudyRunner("mlp", info.input_shape, info.num_classes, eval_data)
     idx = invariance.micro_batch_indices(len(x), B, 64, seed=0)
     return {
         "trainer": trainer,
@@ -105,7 +105,9 @@ def test_kappa_one_is_adam_for_every_method(bench):
     trainer, lr = bench["trainer"], 3e-3
     results = {}
     for method in invariance.METHODS:
-        points = trainer.run(method, 1, lr, bench["weights"], bench["xs"][:16], bench["ys"][:16], 8)
+        points = invariance.run_method(
+            trainer, method, 1, lr, bench["weights"], bench["xs"][:16], bench["ys"][:16], 8
+        )
         results[method] = (points, trainer.model.get_weights())
     ref_points, ref_weights = results["invariant"]
     assert ref_points[-1]["train_loss"] < ref_points[0]["train_loss"]
@@ -124,9 +126,10 @@ def test_tiny_lr_invariant_curves_agree_plain_ones_do_not(bench):
     points. Measured: invariant/plain ~ 0.015, invariant/sqrt ~ 0.04."""
     trainer, lr = bench["trainer"], 1e-4
     xs, ys, w = bench["xs"], bench["ys"], bench["weights"]
-    adam = trainer.run("invariant", 1, lr, w, xs, ys, 8)
+    adam = invariance.run_method(trainer, "invariant", 1, lr, w, xs, ys, 8)
     rows = {
-        m: rows_of(m, 1, lr, adam) + rows_of(m, 4, lr, trainer.run(m, 4, lr, w, xs, ys, 8))
+        m: rows_of(m, 1, lr, adam)
+        + rows_of(m, 4, lr, invariance.run_method(trainer, m, 4, lr, w, xs, ys, 8))
         for m in ("invariant", "plain", "sqrt")
     }
     spread = {m: invariance.spreads(r, [1, 4])[m, lr, 0] for m, r in rows.items()}
@@ -144,12 +147,12 @@ def test_reused_compiled_loop_equals_a_fresh_one(bench):
     rates and seeds; resetting the state must leave no trace of the
     previous run."""
     trainer, xs, ys = bench["trainer"], bench["xs"][:16], bench["ys"][:16]
-    trainer.run("sqrt", 2, 1e-2, trainer.initial_weights(1), xs, ys, 8)
-    reused = trainer.run("sqrt", 2, 1e-3, bench["weights"], xs, ys, 8)
-    fresh = invariance.Trainer(
+    invariance.run_method(trainer, "sqrt", 2, 1e-2, trainer.initial_weights(1), xs, ys, 8)
+    reused = invariance.run_method(trainer, "sqrt", 2, 1e-3, bench["weights"], xs, ys, 8)
+    fresh = invariance.StudyRunner(
         "mlp", bench["info"].input_shape, bench["info"].num_classes, bench["eval_data"]
     )
-    assert fresh.run("sqrt", 2, 1e-3, bench["weights"], xs, ys, 8) == reused
+    assert invariance.run_method(fresh, "sqrt", 2, 1e-3, bench["weights"], xs, ys, 8) == reused
 
 
 def test_same_stream_for_every_kappa_and_epochs_are_permutations():

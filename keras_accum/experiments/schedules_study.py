@@ -46,9 +46,10 @@ import tensorflow as tf
 import keras_accum as ka
 from keras_accum import diagnostics
 from keras_accum.experiments import charlm, data
-from keras_accum.experiments.invariance.report import METRICS, write_csv
-from keras_accum.experiments.invariance.trainer import (
-    Trainer,
+from keras_accum.experiments.invariance.report import write_csv
+from keras_accum.experiments.study_runner import (
+    METRICS,
+    StudyRunner,
     load_arrays,
     micro_batch_indices,
 )
@@ -117,85 +118,6 @@ def _sqrt_learning_rate(lr, kappa):
     return ka.scale_hyperparameters(kappa, "sqrt", lr)["learning_rate"]
 
 
-class ScheduleTrainer(Trainer):
-    """The invariance study's trainer, with runs made of segments: each a
-    number of micro-batches, a compiled loop and a learning rate. `build`
-    (optional) replaces the model builder (the character LM)."""
-
-    def __init__(self, *args, build=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        if build is not None:
-            self._build = build
-            self.model = build()
-        self._loops = {}
-
-    def loops(self, key, make, phases=()):
-        """(optimizer, one compiled loop per phase, pending changes, initial
-        variable values). `phases[i]` changes the optimizer before the loop
-        of phase i + 1 is first traced: Python hyperparameters are baked
-        into a trace, so each phase keeps its own."""
-        if key not in self._loops:
-            optimizer = make()
-            variables = self.model.trainable_variables
-            optimizer.build(variables)
-            fns = [
-                tf.function(
-                    functools.partial(_train_chunk, self._gradient_fn, optimizer, variables)
-                )
-                for _ in range(len(phases) + 1)
-            ]
-            pending = dict(enumerate(phases, start=1))
-            initial = [v.numpy() for v in optimizer.variables]
-            self._loops[key] = (optimizer, fns, pending, initial)
-        return self._loops[key]
-
-    def run_segments(self, key, make, segments, weights, xs, ys, chunk, phases=(), probe=None):
-        """Trains from `weights`; `segments` = [(micro_batches, phase, lr)].
-        Evaluates every `chunk` micro-batches; `probe(optimizer)` runs after
-        each chunk. Returns points: examples, updates, window size, metrics."""
-        optimizer, loops, pending, initial = self.loops(key, make, phases)
-        for variable, value in zip(optimizer.variables, initial):
-            variable.assign(value)
-        for variable, value in zip(self.model.weights, weights):
-            variable.assign(value)
-        b = int(xs.shape[1])
-        points = [{"examples": 0, "updates": 0, "kappa": _kappa(optimizer), **self.evaluate()}]
-        start = 0
-        for length, phase, lr in segments:
-            optimizer.learning_rate = lr
-            for lo in range(start, start + length, chunk):
-                if phase in pending:  # before its loop's first (only) trace
-                    pending.pop(phase)(optimizer)
-                loops[phase](xs[lo : lo + chunk], ys[lo : lo + chunk])
-                if probe is not None:
-                    probe(optimizer)
-                updates = int(optimizer.iterations.numpy())
-                points.append(
-                    {
-                        "examples": (lo + chunk) * b,
-                        "updates": updates,
-                        "kappa": _kappa(optimizer),
-                        **self.evaluate(),
-                    }
-                )
-            start += length
-        return points
-
-
-def _kappa(optimizer):
-    """The window size in force (before the first window: the first one's)."""
-    if isinstance(optimizer.steps, int):
-        return optimizer.steps
-    if int(optimizer.micro_step.numpy()) == 0:
-        return int(optimizer.steps(0).numpy())
-    return int(optimizer.window_steps.numpy())
-
-
-def _train_chunk(gradient_fn, optimizer, variables, xs, ys):
-    for i in tf.range(tf.shape(xs)[0]):
-        optimizer.apply(gradient_fn(xs[i], ys[i]), variables)
-
-
 # -- the study ----------------------------------------------------------------
 
 
@@ -213,14 +135,11 @@ class Study:
             test = load_arrays(c["dataset"], "test", c["data_dir"])
             shape, classes, build = info.input_shape, info.num_classes, None
         n = c["train_eval_examples"]
-        self.trainer = ScheduleTrainer(
+        self.trainer = StudyRunner(
             c["model"],
             shape,
             classes,
             {"train": (self.x_train[:n], self.y_train[:n]), "test": test},
-            c["beta_1"],
-            c["beta_2"],
-            c["epsilon"],
             build=build,
         )
         self.rows, self.decisions = [], []
@@ -306,7 +225,7 @@ class Study:
             probe = None
             if run == "adaptive":
                 # A schedule object is per optimizer: rebuild for each run.
-                self.trainer._loops.pop(("adaptive", run), None)
+                self.trainer.forget(("adaptive", run))
                 probe = self._prober(seed)
             make = functools.partial(make_optimizer, "power", steps, c)
             points = self.trainer.run_segments(
@@ -314,7 +233,7 @@ class Study:
             )
             self._record("adaptive", "power", run, lr, seed, points)
             if run == "adaptive":
-                opt = self.trainer._loops[("adaptive", run)][0]
+                opt = self.trainer.loops(("adaptive", run), make)[0]
                 for micro_step, b_simple, kappa in opt.steps.decisions:
                     self.decisions.append(
                         {
@@ -337,7 +256,7 @@ class Study:
 
         @tf.function(autograph=False)
         def window(xw, yw):
-            micro = [trainer._gradient_fn(xw[j], yw[j]) for j in range(kappa)]
+            micro = [trainer.gradient(xw[j], yw[j]) for j in range(kappa)]
             tracker.update_from_micro_grads(micro, b)
 
         def probe(optimizer):

@@ -53,21 +53,22 @@ from keras_accum.experiments.invariance.config import (
     resolve_config,
 )
 from keras_accum.experiments.invariance.report import METRICS, spreads, summarize
-from keras_accum.experiments.invariance.study import Study, run_study
-from keras_accum.experiments.invariance.trainer import Trainer, load_arrays, micro_batch_indices
+from keras_accum.experiments.invariance.study import Study, run_method, run_study
+from keras_accum.experiments.study_runner import StudyRunner, load_arrays, micro_batch_indices
 
 __all__ = [
     "DEFAULTS",
     "METHODS",
     "METRICS",
     "Study",
-    "Trainer",
+    "StudyRunner",
     "load_arrays",
     "load_config_file",
     "make_optimizer",
     "micro_batch_indices",
     "optimizer_hyperparameters",
     "resolve_config",
+    "run_method",
     "run_study",
     "spreads",
     "summarize",

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-METRICS = ("train_loss", "test_loss", "test_accuracy")
+from keras_accum.experiments.study_runner import METRICS  # noqa: F401 (re-exported)
 
 
 def write_csv(path, rows):

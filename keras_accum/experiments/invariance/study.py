@@ -8,8 +8,12 @@ import tensorflow as tf
 
 from keras_accum.experiments import data
 from keras_accum.experiments.invariance import report
-from keras_accum.experiments.invariance.config import optimizer_hyperparameters, resolve_config
-from keras_accum.experiments.invariance.trainer import Trainer, load_arrays, micro_batch_indices
+from keras_accum.experiments.invariance.config import (
+    make_optimizer,
+    optimizer_hyperparameters,
+    resolve_config,
+)
+from keras_accum.experiments.study_runner import StudyRunner, load_arrays, micro_batch_indices
 
 
 def _log(config, message):
@@ -17,8 +21,29 @@ def _log(config, message):
         print(message, flush=True)
 
 
+def run_method(runner, method, kappa, base_lr, weights, xs, ys, chunk, betas=(0.9, 0.999, 1e-7)):
+    """One run of `method` with kappa micro-batches per update, from the base
+    (kappa = 1) learning rate `base_lr` and `betas` = (beta_1, beta_2,
+    epsilon), on `runner` (a `StudyRunner`): see `StudyRunner.run_segments`.
+
+    The betas and epsilon a method uses depend on (method, kappa) only, so
+    the compiled loop of a (method, kappa) serves every base learning rate.
+    """
+    h = optimizer_hyperparameters(method, kappa, base_lr, *betas)
+    built = optimizer_hyperparameters(method, kappa, 1e-3, *betas)
+    fixed = {k: v for k, v in h.items() if k != "learning_rate"}
+    built_with = {k: v for k, v in built.items() if k != "learning_rate"}
+    if fixed != built_with:  # Betas compiled in must not depend on lr.
+        raise ValueError(
+            f"{method} at kappa={kappa}: {fixed} differ from the compiled {built_with}."
+        )
+    make = lambda: make_optimizer(method, kappa, 1e-3, *betas)
+    segments = [(int(xs.shape[0]), 0, h["learning_rate"])]
+    return runner.run_segments((method, kappa, betas), make, segments, weights, xs, ys, chunk)
+
+
 class Study:
-    """One study: the data, the shared `Trainer`, and the rows it records."""
+    """One study: the data, the shared `StudyRunner`, and the rows it records."""
 
     def __init__(self, config):
         self.config = config
@@ -27,14 +52,11 @@ class Study:
         self.x_train, self.y_train = load_arrays(config["dataset"], "train", config["data_dir"])
         test = load_arrays(config["dataset"], "test", config["data_dir"])
         n_eval = config["train_eval_examples"]
-        self.trainer = Trainer(
+        self.trainer = StudyRunner(
             config["model"],
             info.input_shape,
             info.num_classes,
             {"train": (self.x_train[:n_eval], self.y_train[:n_eval]), "test": test},
-            config["beta_1"],
-            config["beta_2"],
-            config["epsilon"],
         )
         self.rows, self.noise_rows, self.done = [], [], 0
         share, methods = config["share_kappa1"], config["methods"]
@@ -94,9 +116,10 @@ class Study:
         c = self.config
         t = time.time()
         chunk = c["eval_every"] // c["micro_batch_size"]
-        points = self.trainer.run(method, kappa, lr, weights, *stream, chunk)
+        betas = c["beta_1"], c["beta_2"], c["epsilon"]
+        points = run_method(self.trainer, method, kappa, lr, weights, *stream, chunk, betas)
         self.done += 1
-        h = optimizer_hyperparameters(method, kappa, lr, c["beta_1"], c["beta_2"], c["epsilon"])
+        h = optimizer_hyperparameters(method, kappa, lr, *betas)
         for as_method in c["methods"] if shared else [method]:
             for p in points:
                 self.rows.append(

@@ -1,5 +1,12 @@
-"""A fast direct-gradient trainer for the study: one model and one compiled
-loop per (method, kappa), reused across learning rates and seeds."""
+"""The one training loop of the studies: direct gradients, compiled once.
+
+Both studies (`invariance`, `schedules_study`) train one model many times:
+over methods, window sizes, learning rates and seeds, every run of a seed
+from the same weights and the same stream of micro-batches. `StudyRunner`
+keeps one model and, per optimizer configuration, one optimizer and its
+compiled loops; a run restores the optimizer's initial state and the
+model's initial weights, so a trace serves every learning rate and seed.
+"""
 
 import functools
 
@@ -9,8 +16,8 @@ import tensorflow as tf
 
 from keras_accum import diagnostics
 from keras_accum.experiments import data, models
-from keras_accum.experiments.invariance.config import make_optimizer, optimizer_hyperparameters
-from keras_accum.experiments.invariance.report import METRICS
+
+METRICS = ("train_loss", "test_loss", "test_accuracy")
 
 
 def load_arrays(dataset, split, data_dir=None):
@@ -34,43 +41,41 @@ def micro_batch_indices(num_examples, micro_batch_size, num_micro_batches, seed)
     return stream[:need].reshape(num_micro_batches, micro_batch_size)
 
 
-# -- training -----------------------------------------------------------------
+def window_size(optimizer):
+    """The window size in force (before the first window: the first one's)."""
+    if isinstance(optimizer.steps, int):
+        return optimizer.steps
+    if int(optimizer.micro_step.numpy()) == 0:
+        return int(optimizer.steps(0).numpy())
+    return int(optimizer.window_steps.numpy())
 
 
-class Trainer:
-    """One model; one compiled training loop per (method, kappa), reused.
+def _train_chunk(gradient_fn, optimizer, variables, xs, ys):
+    # One apply per micro-batch; the optimizer decides when a window ends.
+    # A graph loop: no Python overhead per micro-batch.
+    for i in tf.range(tf.shape(xs)[0]):
+        optimizer.apply(gradient_fn(xs[i], ys[i]), variables)
 
-    `run(...)` sets the model's weights, zeroes the optimizer's state (all
-    its variables: moments, accumulators, counters), sets its learning rate
-    and trains; betas and epsilon depend on (method, kappa) only, so the
-    compiled loop of a (method, kappa) serves every base learning rate.
+
+class StudyRunner:
+    """One model; per optimizer configuration one optimizer and its loops.
 
     Args:
         model_name, input_shape, num_classes: for `models.build_model`.
         eval_data: dict with `train` and `test`, each (x, y) numpy arrays:
             the train loss is measured on `train`, loss and accuracy on
             `test`, all with `training=False`.
-        beta_1, beta_2, epsilon: base Adam hyperparameters (kappa = 1).
+        build: optional model builder replacing `models.build_model` (the
+            character LM).
     """
 
-    def __init__(
-        self,
-        model_name,
-        input_shape,
-        num_classes,
-        eval_data,
-        beta_1=0.9,
-        beta_2=0.999,
-        epsilon=1e-7,
-    ):
-        self._build = lambda: models.build_model(model_name, input_shape, num_classes)
+    def __init__(self, model_name, input_shape, num_classes, eval_data, build=None):
+        self._build = build or (lambda: models.build_model(model_name, input_shape, num_classes))
         self.model = self._build()
-        self.betas_epsilon = (beta_1, beta_2, epsilon)
         self._loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         self._eval_data = {k: tuple(tf.constant(a) for a in v) for k, v in eval_data.items()}
         self._evaluate = tf.function(self._evaluate_fn)
-        self._gradient = tf.function(self._gradient_fn)
-        self._runners, self._probes = {}, {}
+        self._loops, self._probes = {}, {}
 
     def initial_weights(self, seed):
         """Weights of a model built after `keras.utils.set_random_seed`."""
@@ -88,56 +93,67 @@ class Trainer:
     def evaluate(self):
         return dict(zip(METRICS, (float(v) for v in self._evaluate())))
 
-    def _gradient_fn(self, x, y):
-        # Mean loss over the micro-batch: a micro-batch mean gradient g_j.
+    def gradient(self, x, y):
+        """The gradient of the mean loss over one micro-batch (g_j)."""
         with tf.GradientTape() as tape:
             loss = self._loss(y, self.model(x, training=True))
         return tape.gradient(loss, self.model.trainable_variables)
 
-    def _runner(self, method, kappa):
-        key = (method, kappa)
-        if key not in self._runners:
-            optimizer = make_optimizer(method, kappa, 1e-3, *self.betas_epsilon)
+    def loops(self, key, make, phases=()):
+        """(optimizer, one compiled loop per phase, pending changes, initial
+        variable values) of configuration `key`, built with `make()` on
+        first use. `phases[i]` changes the optimizer before the loop of
+        phase i + 1 is first traced: Python hyperparameters are baked into
+        a trace, so each phase keeps its own."""
+        if key not in self._loops:
+            optimizer = make()
             variables = self.model.trainable_variables
             optimizer.build(variables)
-
             # A partial, not a closure: TensorFlow then counts each loop's
             # (single) trace on its own instead of warning about retracing.
-            train_chunk = tf.function(
-                functools.partial(_train_chunk, self._gradient_fn, optimizer, variables)
-            )
-            h = optimizer_hyperparameters(method, kappa, 1e-3, *self.betas_epsilon)
-            built_with = {k: v for k, v in h.items() if k != "learning_rate"}
-            self._runners[key] = (optimizer, train_chunk, built_with)
-        return self._runners[key]
+            loop = functools.partial(_train_chunk, self.gradient, optimizer, variables)
+            fns = [tf.function(loop) for _ in range(len(phases) + 1)]
+            pending = dict(enumerate(phases, start=1))
+            initial = [v.numpy() for v in optimizer.variables]
+            self._loops[key] = (optimizer, fns, pending, initial)
+        return self._loops[key]
 
-    def run(self, method, kappa, base_lr, weights, xs, ys, chunk):
+    def forget(self, key):
+        """Drops configuration `key` (an optimizer with per-run state that
+        its initial values do not reset, such as a schedule object)."""
+        self._loops.pop(key, None)
+
+    def run_segments(self, key, make, segments, weights, xs, ys, chunk, phases=(), probe=None):
         """Trains from `weights` on the micro-batches `xs`, `ys` (shapes
-        [n, b, ...], [n, b]), evaluating at the start and every `chunk`
-        micro-batches. Returns a list of dicts: examples, updates, metrics."""
-        optimizer, train_chunk, built_with = self._runner(method, kappa)
-        h = optimizer_hyperparameters(method, kappa, base_lr, *self.betas_epsilon)
-        fixed = {k: v for k, v in h.items() if k != "learning_rate"}
-        if fixed != built_with:  # Betas compiled in must not depend on lr.
-            raise ValueError(
-                f"{method} at kappa={kappa}: {fixed} differ from the compiled {built_with}."
-            )
-        for variable in optimizer.variables:
-            variable.assign(tf.zeros(variable.shape, variable.dtype))
-        optimizer.learning_rate = h["learning_rate"]
+        [n, b, ...], [n, b]); `segments` = [(micro_batches, phase, lr)].
+        Evaluates at the start and every `chunk` micro-batches;
+        `probe(optimizer)` runs after each chunk. Returns a list of dicts:
+        examples, updates, kappa (the window size in force), metrics."""
+        optimizer, loops, pending, initial = self.loops(key, make, phases)
+        for variable, value in zip(optimizer.variables, initial):
+            variable.assign(value)
         for variable, value in zip(self.model.weights, weights):
             variable.assign(value)
         b = int(xs.shape[1])
-        points = [{"examples": 0, "updates": 0, **self.evaluate()}]
-        for start in range(0, int(xs.shape[0]), chunk):
-            train_chunk(xs[start : start + chunk], ys[start : start + chunk])
-            points.append(
-                {
-                    "examples": (start + chunk) * b,
-                    "updates": int(optimizer.iterations.numpy()),
-                    **self.evaluate(),
-                }
-            )
+        points = [{"examples": 0, "updates": 0, "kappa": window_size(optimizer), **self.evaluate()}]
+        start = 0
+        for length, phase, lr in segments:
+            optimizer.learning_rate = lr
+            for lo in range(start, start + length, chunk):
+                if phase in pending:  # before its loop's first (only) trace
+                    pending.pop(phase)(optimizer)
+                loops[phase](xs[lo : lo + chunk], ys[lo : lo + chunk])
+                if probe is not None:
+                    probe(optimizer)
+                points.append(
+                    {
+                        "examples": (lo + chunk) * b,
+                        "updates": int(optimizer.iterations.numpy()),
+                        "kappa": window_size(optimizer),
+                        **self.evaluate(),
+                    }
+                )
+            start += length
         return points
 
     def noise_scale(self, x, y, micro_batch_size, kappa, windows, seed, ema=0.99):
@@ -152,7 +168,7 @@ class Trainer:
 
             @tf.function(autograph=False)  # no control flow to convert
             def probe(xw, yw):  # [kappa, b, ...]: one window, compiled
-                micro = [self._gradient_fn(xw[j], yw[j]) for j in range(kappa)]
+                micro = [self.gradient(xw[j], yw[j]) for j in range(kappa)]
                 tracker.update_from_micro_grads(micro, micro_batch_size)
 
             self._probes[key] = (tracker, probe)
@@ -165,13 +181,3 @@ class Trainer:
             idx = idx.reshape(kappa, micro_batch_size)
             probe(tf.constant(x[idx]), tf.constant(y[idx]))
         return {k: float(v) for k, v in tracker.result().items()}
-
-
-def _train_chunk(gradient_fn, optimizer, variables, xs, ys):
-    # One apply per micro-batch; the optimizer decides when a window ends.
-    # A graph loop: no Python overhead per micro-batch.
-    for i in tf.range(tf.shape(xs)[0]):
-        optimizer.apply(gradient_fn(xs[i], ys[i]), variables)
-
-
-# -- the study ----------------------------------------------------------------
