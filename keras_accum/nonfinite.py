@@ -17,10 +17,16 @@ micro-batch into its moments and cannot drop a window afterwards: it
 refuses "skip_window".
 """
 
+import contextlib
+import re
+
 import tensorflow as tf
 
 from keras_accum import _tensors
 from keras_accum._execution import in_xla
+
+# How `nonfinite="raise"` words its error (see `explained`).
+MESSAGE = "non-finite gradient (nonfinite=raise)"  # no quotes: errors escape them
 
 POLICIES = {
     "skip_micro_batch": "the micro-batch is left out of its window",
@@ -98,9 +104,14 @@ def screen(optimizer, grads, mask=True):
     if policy == "raise":
         if in_xla():
             refuse_raise_under_xla(optimizer.name)
-        message = f"{optimizer.name}: non-finite gradient (nonfinite='raise')"
-        check = lambda x: tf.debugging.check_numerics(x, message)
-        return [_tensors.map_values(check, g) for g in grads], None
+        # One check of the micro-batch, naming the optimizer and the
+        # micro-step; what follows waits for it (nothing folds a NaN in).
+        message = f"{optimizer.name}: {MESSAGE} at micro-step"
+        check = tf.debugging.Assert(
+            all_finite(grads), [message, optimizer._micro_step + 1], summarize=1
+        )
+        with tf.control_dependencies([check]):
+            return [_tensors.map_values(tf.identity, g) for g in grads], None
     ok = all_finite(grads)
     bad = 1 - tf.cast(ok, "int64")
     optimizer._skipped_micro_batches.assign_add(bad)
@@ -111,3 +122,37 @@ def screen(optimizer, grads, mask=True):
     # g, or a broadcast scalar zero for a skipped micro-batch.
     keep = lambda x: tf.where(ok, x, tf.zeros((), x.dtype))
     return [_tensors.map_values(keep, g) for g in grads], ok
+
+
+class NonFiniteGradientError(ValueError):
+    """A non-finite gradient under `nonfinite="raise"`, in one line."""
+
+
+# "[NAME: MESSAGE at micro-step] [N]" in a compiled step, "NAME: MESSAGE at
+# micro-step" then N on its own line eagerly.
+_RAISED = re.compile(r"([^\s\[\]\"']+: " + re.escape(MESSAGE) + r" at micro-step)\W*(\d+)")
+
+
+@contextlib.contextmanager
+def explained():
+    """Turns the error of `nonfinite="raise"` into a `NonFiniteGradientError`
+    whose one line names the optimizer, the policy and the micro-step.
+
+    TensorFlow reports an error of a compiled step as "Graph execution
+    error:" followed by the trace of the op that failed; the optimizer's
+    words are buried below it. Other errors pass through unchanged.
+
+    Example:
+
+    ```python
+    with keras_accum.nonfinite.explained():
+        model.fit(x, y)
+    ```
+    """
+    try:
+        yield
+    except tf.errors.InvalidArgumentError as error:
+        found = _RAISED.search(error.message or "")
+        if found is None:
+            raise
+        raise NonFiniteGradientError(f"{found.group(1)} {found.group(2)}") from None

@@ -256,3 +256,34 @@ def test_optimizer_created_outside_the_scope_is_named(wrapped):
     name = inner.name if wrapped else optimizer.name
     with pytest.raises(ValueError, match=rf"Optimizer '{name}' .*strategy.scope\(\)"):
         strategy.run(lambda: optimizer.apply([tf.ones(2)], [variable]))
+
+
+@pytest.mark.parametrize("form", ["eager", "graph"])
+@pytest.mark.parametrize("name", MAKERS)
+def test_raise_policy_names_the_optimizer_and_the_micro_step_in_one_line(name, form):
+    from keras_accum import nonfinite
+
+    variable = keras.Variable(np.ones(2, "float32"))
+    optimizer = MAKERS[name](steps=2, nonfinite="raise")
+    step = lambda g: optimizer.apply([g], [variable])
+    step = step if form == "eager" else tf.function(step)
+    step(tf.ones(2))
+    with pytest.raises(nonfinite.NonFiniteGradientError) as caught:
+        with nonfinite.explained():
+            step(tf.constant([1.0, np.nan]))
+    assert str(caught.value) == (
+        f"{optimizer.name}: non-finite gradient (nonfinite=raise) at micro-step 2"
+    )
+    np.testing.assert_array_equal(variable.numpy(), np.ones(2))
+
+
+def test_custom_loop_raises_the_one_line_error():
+    from keras_accum import nonfinite, training
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    x = np.ones((8, 3), "float32")
+    x[5, 0] = np.nan
+    dataset = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(4)
+    optimizer = ka.InvariantAdam(0.1, steps=2, nonfinite="raise")
+    with pytest.raises(nonfinite.NonFiniteGradientError, match=r"micro-step 3$"):
+        training.train(model, optimizer, "mse", dataset, epochs=1, verbose=0)

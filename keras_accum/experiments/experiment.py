@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_accum as ka
-from keras_accum import diagnostics, training
+from keras_accum import diagnostics, nonfinite, training
 from keras_accum.experiments import data, models, optimizers, run_config
 from keras_accum.experiments.callbacks import AccumulationLogger, CSVLogger, SplitLabels
 from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config API)
@@ -167,16 +167,17 @@ def train_and_evaluate(config, workdir, resume=False):
         verbose = 2  # one line per epoch in logs instead of redrawn bars
     start = time.time()
     if initial_epoch < config["epochs"]:
-        model.fit(
-            train,
-            epochs=config["epochs"],
-            initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch,
-            validation_data=watched,
-            shuffle=False,  # the stream is shuffled, seeded
-            callbacks=callbacks,
-            verbose=verbose,
-        )
+        with nonfinite.explained():  # nonfinite="raise": one line
+            model.fit(
+                train,
+                epochs=config["epochs"],
+                initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch,
+                validation_data=watched,
+                shuffle=False,  # the stream is shuffled, seeded
+                callbacks=callbacks,
+                verbose=verbose,
+            )
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
     final = {
         "test_loss": float(test_loss),

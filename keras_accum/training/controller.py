@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_accum import nonfinite
 from keras_accum.training import checkpoints
 from keras_accum.training import logs as run_logs
 from keras_accum.training.distribute import is_chief, peer_errors
@@ -180,7 +181,8 @@ class Controller:
         while True:
             start = time.perf_counter()
             try:
-                logs = trainer.train_step(iterator)
+                with nonfinite.explained():  # nonfinite="raise": one line
+                    logs = trainer.train_step(iterator)
             except tf.errors.OutOfRangeError:
                 break
             logs = {k: float(v) for k, v in logs.items()}
