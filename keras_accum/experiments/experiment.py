@@ -189,7 +189,7 @@ def train_and_evaluate(config, workdir, resume=False):
         "train_seconds_this_session": round(time.time() - start, 1),
     }
     (workdir / "final.json").write_text(json.dumps(final, indent=2))
-    plot_curves(workdir / "metrics.csv", workdir / "curves.png")
+    plot_run_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
 
 
@@ -326,7 +326,7 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
     if training.is_chief(strategy):
         _write_metrics(workdir / "metrics.csv", history)
         (workdir / "final.json").write_text(json.dumps(final, indent=2))
-        plot_curves(workdir / "metrics.csv", workdir / "curves.png")
+        plot_run_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
 
 
@@ -368,7 +368,7 @@ def _write_metrics(metrics_csv, history):
     checkpoints.atomic_write_text(str(metrics_csv), text.getvalue())
 
 
-def plot_curves(metrics_csv, png):
+def plot_run_curves(metrics_csv, png):
     import csv
 
     import matplotlib

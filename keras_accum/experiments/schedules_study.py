@@ -121,7 +121,7 @@ def _sqrt_learning_rate(lr, kappa):
 # -- the study ----------------------------------------------------------------
 
 
-class Study:
+class SchedulesStudy:
     def __init__(self, config):
         self.config = c = resolve_config(config)
         self.started, self.cpu_started = time.time(), time.process_time()
@@ -295,10 +295,10 @@ def _apply_sqrt_rule(optimizer, kappa):
 
 
 def run_study(config, workdir):
-    study = Study(config)
+    study = SchedulesStudy(config)
     study.run()
     study.write(workdir)
     return study
 
 
-__all__ = ["DEFAULTS", "METRICS", "Study", "resolve_config", "run_study"]
+__all__ = ["DEFAULTS", "METRICS", "SchedulesStudy", "resolve_config", "run_study"]

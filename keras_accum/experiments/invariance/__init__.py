@@ -53,14 +53,14 @@ from keras_accum.experiments.invariance.config import (
     resolve_config,
 )
 from keras_accum.experiments.invariance.report import METRICS, spreads, summarize
-from keras_accum.experiments.invariance.study import Study, run_method, run_study
+from keras_accum.experiments.invariance.study import InvarianceStudy, run_method, run_study
 from keras_accum.experiments.study_runner import StudyRunner, load_arrays, micro_batch_indices
 
 __all__ = [
     "DEFAULTS",
+    "InvarianceStudy",
     "METHODS",
     "METRICS",
-    "Study",
     "StudyRunner",
     "load_arrays",
     "load_config_file",

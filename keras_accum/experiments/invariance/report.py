@@ -244,7 +244,7 @@ def plot_spread(summary_rows, config, png):
     plt.close(fig)
 
 
-def plot_curves(rows, config, lr, png):
+def plot_method_curves(rows, config, lr, png):
     """Train loss and test accuracy versus examples seen at base lr `lr`:
     a column per method, a line per kappa (mean over seeds)."""
     plt = _pyplot()

@@ -42,7 +42,7 @@ def run_method(runner, method, kappa, base_lr, weights, xs, ys, chunk, betas=(0.
     return runner.run_segments((method, kappa, betas), make, segments, weights, xs, ys, chunk)
 
 
-class Study:
+class InvarianceStudy:
     """One study: the data, the shared `StudyRunner`, and the rows it records."""
 
     def __init__(self, config):
@@ -161,7 +161,7 @@ class Study:
         )
         report.plot_spread(summary_rows, c, workdir / "spread_vs_lr.png")
         for lr in c["plot_learning_rates"]:
-            report.plot_curves(self.rows, c, lr, workdir / f"curves_lr_{lr:g}.png")
+            report.plot_method_curves(self.rows, c, lr, workdir / f"curves_lr_{lr:g}.png")
         return {
             "runs": self.done,
             "rows": len(self.rows),
@@ -180,7 +180,7 @@ def run_study(config, workdir):
         raise FileExistsError(f"workdir={str(workdir)!r} is not empty; choose a new folder.")
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    study = Study(config)
+    study = InvarianceStudy(config)
     study.run()
     summary = study.write(workdir)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
