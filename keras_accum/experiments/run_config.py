@@ -268,7 +268,6 @@ def check_data(config, replicas):
     return info, held_out, windows_per_epoch
 
 
-def load_config_file(path, *args):
-    """A config from a saved_configs/*.py file (its `get_config(*args)`) or
-    from a run folder's config.json (then `args` are ignored)."""
-    return cfg.load_file(path, *args)
+# A config from a saved_configs/*.py file (its `get_config(*args)`) or from a
+# run folder's config.json (then `args` are ignored): for every script.
+load_config_file = cfg.load_file

@@ -46,6 +46,7 @@ import tensorflow as tf
 import keras_accum as ka
 from keras_accum import diagnostics
 from keras_accum.experiments import charlm, data
+from keras_accum.experiments import config as cfg
 from keras_accum.experiments.invariance.report import write_csv
 from keras_accum.experiments.study_runner import (
     METRICS,
@@ -54,49 +55,70 @@ from keras_accum.experiments.study_runner import (
     micro_batch_indices,
 )
 
-DEFAULTS = {
-    "dataset": "mnist1d",
-    "data_dir": None,
-    "model": "mlp",
-    "micro_batch_size": 32,
-    "beta_1": 0.9,
-    "beta_2": 0.999,
-    "epsilon": 1e-7,
-    "seeds": [0, 1, 2],
-    "train_examples": 32768,
-    "eval_every": 1024,  # a multiple of the largest window in examples
-    "train_eval_examples": 1000,
+F = cfg.Field
+_POSITIVE = F("", "float", 1e-3, "", minimum=0.0, open_minimum=True)
+_METHODS = ("invariant", "power", "sqrt")
+
+
+def _fraction(name, default, help):
+    return F(name, "float", default, help, minimum=0.0, maximum=1.0, open_maximum=True)
+
+
+def _examples(name, default, help):
+    return F(name, "int", default, help + " (a multiple of the largest window)", minimum=1)
+
+
+FIELDS = [
+    F("dataset", "str", "mnist1d", "TFDS name, or char_corpus (the character LM)"),
+    F("data_dir", "path", None, "TFDS data_dir"),
+    F("model", "str", "mlp", "Model name (ignored for char_corpus)"),
+    F("micro_batch_size", "int", 32, "Items per micro-batch", minimum=1),
+    _fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
+    _fraction("beta_2", 0.999, "Adam beta_2 at kappa = 1"),
+    F("epsilon", "float", 1e-7, "Adam epsilon", minimum=0.0, open_minimum=True),
+    F("seeds", "list", [0, 1, 2], "Seeds", item=F("", "int", 0, "", minimum=0)),
+    _examples("train_examples", 32768, "Examples per run"),
+    _examples("eval_every", 1024, "Examples between evaluations"),
+    F("train_eval_examples", "int", 1000, "Fixed train subset for the train loss", minimum=1),
     # switch experiment
-    "switch_kappa": 8,
-    "switch_examples": 16384,
-    "switch_methods": ["invariant", "power", "sqrt"],
-    "switch_learning_rates": [1e-4, 1e-3, 1e-2],
+    F("switch_kappa", "int", 8, "kappa after the switch", minimum=1),
+    _examples("switch_examples", 16384, "Examples before the switch"),
+    F(
+        "switch_methods",
+        "list",
+        list(_METHODS),
+        "Methods",
+        item=F("", "str", "", "", choices=_METHODS),
+    ),
+    F("switch_learning_rates", "list", [1e-4, 1e-3, 1e-2], "Base lrs", minimum=0, item=_POSITIVE),
     # adaptive experiment
-    "adaptive_learning_rates": [1e-3],
-    "adaptive_max_steps": 16,
-    "probe_every": 1024,  # examples
-    "probe_windows": 4,
-    "probe_ema": 0.9,
-    "verbose": 1,
-}
+    F("adaptive_learning_rates", "list", [1e-3], "Base lrs", minimum=0, item=_POSITIVE),
+    F("adaptive_max_steps", "int", 16, "Largest window of AdaptiveSteps", minimum=1),
+    _examples("probe_every", 1024, "Examples between B_simple probes"),
+    F("probe_windows", "int", 4, "Probe windows per estimate", minimum=1),
+    _fraction("probe_ema", 0.9, "EMA of the B_simple estimates"),
+    F("verbose", "int", 1, "1: a line per run, 0: silent", choices=(0, 1)),
+]
 
 
-def resolve_config(config):
-    """DEFAULTS updated with `config`; refuses unknown keys and bad values."""
-    unknown = sorted(set(config) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"Unknown config key(s) {unknown}. Valid keys: {sorted(DEFAULTS)}")
-    c = {**DEFAULTS, **config}
+def _check_windows(c):
     window = max(c["switch_kappa"], c["adaptive_max_steps"]) * c["micro_batch_size"]
     for key in ("eval_every", "switch_examples", "train_examples", "probe_every"):
-        if not isinstance(c[key], int) or c[key] < window or c[key] % window:
-            raise ValueError(
+        if c[key] % window:
+            raise cfg.ConfigError(
                 f"`{key}` must be a positive multiple of the largest window "
                 f"({window} examples). Received: {key}={c[key]!r}"
             )
-    if not set(c["switch_methods"]) <= {"invariant", "power", "sqrt"}:
-        raise ValueError(f"Unknown `switch_methods`. Received: {c['switch_methods']!r}")
-    return c
+
+
+SCHEMA = cfg.Schema("schedules study", FIELDS, [_check_windows])
+DEFAULTS = SCHEMA.defaults()
+
+
+def resolve_config(config):
+    """DEFAULTS updated with `config`; refuses unknown keys and bad values
+    (`keras_accum.experiments.config.ConfigError`, a ValueError)."""
+    return SCHEMA.resolve(config)
 
 
 # -- optimizers ---------------------------------------------------------------

@@ -47,13 +47,13 @@ Output folder (`run_study(config, workdir)`):
 from keras_accum.experiments.invariance.config import (
     DEFAULTS,
     METHODS,
-    load_config_file,
     make_optimizer,
     optimizer_hyperparameters,
     resolve_config,
 )
 from keras_accum.experiments.invariance.report import METRICS, spreads, summarize
 from keras_accum.experiments.invariance.study import InvarianceStudy, run_method, run_study
+from keras_accum.experiments.run_config import load_config_file
 from keras_accum.experiments.study_runner import StudyRunner, load_arrays, micro_batch_indices
 
 __all__ = [

@@ -1,7 +1,5 @@
 """The invariance study's config: defaults, validation, the methods."""
 
-import pathlib
-
 import keras_accum as ka
 from keras_accum.experiments import config as cfg
 from keras_accum.experiments import models, optimizers
@@ -94,15 +92,6 @@ def resolve_config(config):
     """DEFAULTS updated with `config`; refuses unknown keys and bad values
     (`keras_accum.experiments.config.ConfigError`, a ValueError)."""
     return SCHEMA.resolve(config)
-
-
-def load_config_file(path, variant):
-    """`get_config(variant)` of a saved_configs/*.py file, or a run
-    folder's config.json (then `variant` is ignored)."""
-    path = pathlib.Path(path)
-    if path.is_dir() or path.suffix == ".json":
-        return cfg.load_file(path)
-    return cfg.load_file(path, variant)
 
 
 # -- optimizers ---------------------------------------------------------------
