@@ -266,6 +266,26 @@ class Controller:
         checkpoints.atomic_write_text(os.path.join(self.workdir, "config.json"), text)
 
 
+def _check_run(optimizer, dataset, strategy, epochs, steps, micro_batch_size, every, verbose):
+    """`train`'s arguments checked before anything runs: (global batch size,
+    micro-batches per update, micro-batch size per replica)."""
+    check_int("epochs", epochs)
+    check_int("checkpoint_every", every)
+    if verbose not in (0, 1):
+        raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+    global_batch = peek_batch_size(dataset)
+    opt_steps = steps_per_update(optimizer)
+    if opt_steps is None:
+        raise ValueError(
+            "`train` needs a constant `steps`; with a schedule drive "
+            "`Trainer.micro_batch_step` over a dataset of micro-batches. "
+            f"Received: steps={optimizer.steps!r}"
+        )
+    replicas = strategy.num_replicas_in_sync
+    micro = _check_split(global_batch, replicas, opt_steps, steps, micro_batch_size)
+    return global_batch, opt_steps, micro
+
+
 def train(
     model: keras.Model,
     optimizer: keras.optimizers.Optimizer,
@@ -333,20 +353,8 @@ def train(
         chief of a resumed run it includes the epochs before the resume.
     """
     strategy = strategy or tf.distribute.get_strategy()
-    check_int("epochs", epochs)
-    check_int("checkpoint_every", checkpoint_every)
-    if verbose not in (0, 1):
-        raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
-    global_batch = peek_batch_size(dataset)
-    opt_steps = steps_per_update(optimizer)
-    if opt_steps is None:
-        raise ValueError(
-            "`train` needs a constant `steps`; with a schedule drive "
-            "`Trainer.micro_batch_step` over a dataset of micro-batches. "
-            f"Received: steps={optimizer.steps!r}"
-        )
-    micro = _check_split(
-        global_batch, strategy.num_replicas_in_sync, opt_steps, steps, micro_batch_size
+    global_batch, opt_steps, micro = _check_run(
+        optimizer, dataset, strategy, epochs, steps, micro_batch_size, checkpoint_every, verbose
     )
     trainer = Trainer(
         model, optimizer, loss_fn, strategy=strategy, metrics=metrics, last_batch=last_batch
