@@ -13,6 +13,27 @@ def per_item(values, rank):
     return tf.reduce_mean(values, axis=extra) if extra else values
 
 
+def weighted(fn, y, y_pred, sample_weight):
+    """Per-item values of `fn` at the sample weight's rank, and weights."""
+    values = tf.cast(fn(y, y_pred), tf.float32)
+    if sample_weight is None:
+        if values.shape.rank == 0:
+            raise ValueError(
+                "The loss and metrics must return per-item values, not "
+                f"a reduced scalar. Received: {fn!r}"
+            )
+        values = per_item(values, 1)
+        return values, tf.ones_like(values)
+    weights = tf.cast(sample_weight, tf.float32)
+    if values.shape.rank < weights.shape.rank:
+        raise ValueError(
+            "The loss and metrics must return per-item values of at "
+            f"least the sample weight's rank {weights.shape.rank}. "
+            f"Received: values of shape {values.shape} from {fn!r}"
+        )
+    return per_item(values, weights.shape.rank), weights
+
+
 def resolve_loss(loss_fn):
     if isinstance(loss_fn, str):
         loss_fn = keras.losses.get(loss_fn)

@@ -71,7 +71,7 @@ import tensorflow as tf
 from keras_accum import base
 from keras_accum.training import checkpoints
 from keras_accum.training.distribute import data_sharded, is_chief
-from keras_accum.training.losses import per_item, resolve_loss, resolve_metrics
+from keras_accum.training.losses import resolve_loss, resolve_metrics, weighted
 from keras_accum.training.stream import batch_size, peek_batch_size, replay, split_batch
 
 LAST_BATCH_POLICIES = ("weighted", "drop")
@@ -328,32 +328,11 @@ class Trainer:
 
     def _sums_of(self, y, y_pred, sample_weight):
         """[sum w loss, sum w, sum w metric, ...] over one replica's items."""
-        per_item, weights = self._weighted(self._loss_fn, y, y_pred, sample_weight)
-        metrics = [self._weighted(fn, y, y_pred, sample_weight)[0] for _, fn in self._metrics]
+        per_item, weights = weighted(self._loss_fn, y, y_pred, sample_weight)
+        metrics = [weighted(fn, y, y_pred, sample_weight)[0] for _, fn in self._metrics]
         return tf.stack(
             [tf.reduce_sum(v * weights) for v in [per_item, tf.ones_like(per_item)] + metrics]
         )
-
-    @staticmethod
-    def _weighted(fn, y, y_pred, sample_weight):
-        """Per-item values of `fn` at the sample weight's rank, and weights."""
-        values = tf.cast(fn(y, y_pred), tf.float32)
-        if sample_weight is None:
-            if values.shape.rank == 0:
-                raise ValueError(
-                    "The loss and metrics must return per-item values, not "
-                    f"a reduced scalar. Received: {fn!r}"
-                )
-            values = per_item(values, 1)
-            return values, tf.ones_like(values)
-        weights = tf.cast(sample_weight, tf.float32)
-        if values.shape.rank < weights.shape.rank:
-            raise ValueError(
-                "The loss and metrics must return per-item values of at "
-                f"least the sample weight's rank {weights.shape.rank}. "
-                f"Received: values of shape {values.shape} from {fn!r}"
-            )
-        return per_item(values, weights.shape.rank), weights
 
     def _reduce_logs(self):
         """Replica context: this replica's sums plus its skipped micro-batch
