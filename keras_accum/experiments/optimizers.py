@@ -28,17 +28,21 @@ def build(
     *,
     inner: str = "adam",
     weight_decay: float | None = None,
+    scaling_rule: str | None = None,
 ) -> keras.optimizers.Optimizer:
     """The keras_accum optimizer `name` with `steps` micro-batches per update.
 
     `hyper` holds learning_rate and optionally beta_1, beta_2, epsilon (Adam's
     names; for an inner "sgd" beta_1 is its momentum). `inner` names the
-    optimizer that "gradient_accumulation" wraps.
+    optimizer that "gradient_accumulation" wraps; `scaling_rule` is
+    InvariantAdam's.
     """
     check_choice("optimizer", name, OPTIMIZERS)
     check_choice("inner_optimizer", inner, INNER_OPTIMIZERS)
     if name == "invariant_adam":
-        return ka.InvariantAdam(**hyper, steps=steps, weight_decay=weight_decay)
+        return ka.InvariantAdam(
+            **hyper, steps=steps, weight_decay=weight_decay, scaling_rule=scaling_rule
+        )
     if name == "update_accumulation_adam":
         return ka.UpdateAccumulationAdam(**hyper, steps=steps, weight_decay=weight_decay)
     decay = {} if weight_decay is None else {"weight_decay": weight_decay}

@@ -39,13 +39,12 @@ import json
 import pathlib
 import time
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import diagnostics
-from keras_accum.experiments import charlm, data
+from keras_accum.experiments import charlm, data, optimizers
 from keras_accum.experiments import config as cfg
 from keras_accum.experiments.invariance.report import write_csv
 from keras_accum.experiments.study_runner import (
@@ -124,16 +123,17 @@ def resolve_config(config):
 # -- optimizers ---------------------------------------------------------------
 
 
-def make_optimizer(method, steps, c):
+def method_optimizer(method, steps, c):
     """The optimizer of `method` with `steps` (int or schedule), lr 1e-3
     (set per run); `sqrt` is built with the kappa = steps hyperparameters
     when `steps` is an int, the kappa = 1 ones for a schedule."""
-    b1, b2, eps = c["beta_1"], c["beta_2"], c["epsilon"]
+    base = {"learning_rate": 1e-3, "beta_1": c["beta_1"], "beta_2": c["beta_2"]}
+    base["epsilon"] = c["epsilon"]
     if method in ("invariant", "power"):
-        return ka.InvariantAdam(1e-3, b1, b2, eps, steps=steps, scaling_rule=method)
+        return optimizers.build("invariant_adam", steps, base, scaling_rule=method)
     kappa = steps if isinstance(steps, int) else 1
-    h = ka.scale_hyperparameters(kappa, "sqrt", 1e-3, b1, b2, eps)
-    return ka.GradientAccumulation(keras.optimizers.Adam(**h), steps=steps)
+    h = ka.scale_hyperparameters(kappa, "sqrt", **base)
+    return optimizers.build("gradient_accumulation", steps, h)
 
 
 def _sqrt_learning_rate(lr, kappa):
@@ -227,7 +227,7 @@ class SchedulesStudy:
                     else:  # the schedule alone switches; one loop
                         segments = [(total, 0, lr)]
                 key = ("switch", method, run)
-                make = functools.partial(make_optimizer, method, steps, c)
+                make = functools.partial(method_optimizer, method, steps, c)
                 points = self.trainer.run_segments(
                     key, make, segments, weights, *stream, chunk, phases
                 )
@@ -249,7 +249,7 @@ class SchedulesStudy:
                 # A schedule object is per optimizer: rebuild for each run.
                 self.trainer.forget(("adaptive", run))
                 probe = self._prober(seed)
-            make = functools.partial(make_optimizer, "power", steps, c)
+            make = functools.partial(method_optimizer, "power", steps, c)
             points = self.trainer.run_segments(
                 ("adaptive", run), make, [(total, 0, lr)], weights, *stream, chunk, probe=probe
             )

@@ -47,7 +47,7 @@ Output folder (`run_study(config, workdir)`):
 from keras_accum.experiments.invariance.config import (
     DEFAULTS,
     METHODS,
-    make_optimizer,
+    method_optimizer,
     optimizer_hyperparameters,
     resolve_config,
 )
@@ -64,7 +64,7 @@ __all__ = [
     "StudyRunner",
     "load_arrays",
     "load_config_file",
-    "make_optimizer",
+    "method_optimizer",
     "micro_batch_indices",
     "optimizer_hyperparameters",
     "resolve_config",

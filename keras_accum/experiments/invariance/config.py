@@ -115,7 +115,7 @@ def optimizer_hyperparameters(method, kappa, base_lr, beta_1=0.9, beta_2=0.999, 
     return ka.scale_hyperparameters(kappa, rule, **base) if rule else base
 
 
-def make_optimizer(method, kappa, base_lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+def method_optimizer(method, kappa, base_lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
     """The optimizer of `method` for kappa micro-batches per update."""
     h = optimizer_hyperparameters(method, kappa, base_lr, beta_1, beta_2, epsilon)
     return optimizers.build(METHOD_OPTIMIZERS[method][0], kappa, h)

@@ -9,7 +9,7 @@ import tensorflow as tf
 from keras_accum.experiments import data
 from keras_accum.experiments.invariance import report
 from keras_accum.experiments.invariance.config import (
-    make_optimizer,
+    method_optimizer,
     optimizer_hyperparameters,
     resolve_config,
 )
@@ -37,7 +37,7 @@ def run_method(runner, method, kappa, base_lr, weights, xs, ys, chunk, betas=(0.
         raise ValueError(
             f"{method} at kappa={kappa}: {fixed} differ from the compiled {built_with}."
         )
-    make = lambda: make_optimizer(method, kappa, 1e-3, *betas)
+    make = lambda: method_optimizer(method, kappa, 1e-3, *betas)
     segments = [(int(xs.shape[0]), 0, h["learning_rate"])]
     return runner.run_segments((method, kappa, betas), make, segments, weights, xs, ys, chunk)
 
