@@ -166,3 +166,19 @@ def test_workdir_under_a_file_is_one_line_naming_workdir(resume, small, tmp_path
     assert status == 1 and err.startswith("error: ") and "\n" not in err.strip()
     assert "`workdir`" in err and repr(str(workdir)) in err and "Errno" not in err
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_a_config_json_cut_by_an_older_version_is_restarted(small, reference, tmp_path, capsys):
+    # The plain writes of earlier versions could leave a cut config.json and no
+    # checkpoint: --resume names the file and the command that restarts it.
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "checkpoints/config.json").write_text(small[0].read_text())
+    (workdir / "config.json").write_text('{"da')
+    status, err = script(capsys, f"--workdir={workdir}", "--resume")
+    assert status == 1 and "\n" not in err.strip()
+    assert "not valid JSON" in err and f"--workdir {workdir}) starts the run again" in err
+    assert (workdir / "config.json").read_text() == '{"da'
+    status, err = script(capsys, f"--config={small[0]}", f"--workdir={workdir}")
+    assert status == 0, err
+    assert_same_results(reference, workdir)

@@ -218,7 +218,15 @@ def resume_config(config, workdir):
                 f"--resume: no run folder at {str(workdir)!r} (config.json missing){hint}."
             )
         path = original_path
-    saved = resolve_config(cfg.load_json(path))
+    try:
+        saved = resolve_config(cfg.load_json(path))
+    except cfg.ConfigError as error:
+        if started:
+            raise
+        raise cfg.ConfigError(
+            f"{error} No checkpoint there yet: the plain command (--config <file> "
+            f"--workdir {workdir}) starts the run again."
+        ) from None
     if started and original_path.is_file():
         original = cfg.load_json(original_path)
         changed = SCHEMA.diff(saved, original)
