@@ -50,7 +50,7 @@ def main(argv):
             "runs", f"invariance-{FLAGS.variant}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
         invariance.run_study(config, workdir)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
         sys.exit(f"error: {e}")
     print(f"Table: {workdir}/spread.md")
 

@@ -1,5 +1,6 @@
-"""Kill drill: SIGKILL scripts/train.py at random times and in the middle of
-checkpoint writes, resume it to completion, compare with an uninterrupted run.
+"""Kill drill: SIGKILL scripts/train.py at random times, in the middle of
+checkpoint writes and inside and between a new run folder's first writes,
+recover it to completion, compare with an uninterrupted run.
 
     python scripts/kill_drill.py                      # fit, loop, mirrored
     python scripts/kill_drill.py --paths loop --random_kills 2 --write_kills 1
@@ -14,12 +15,23 @@ write; the drill times the other worker's lost-peer error line and
 checks it names the resume command, exit status 3).
 
 Each trial starts a run, kills it (a random moment, or the hook
-`KERAS_ACCUM_CHECKPOINT_HOOK=kill:<n>` that truncates the n-th checkpoint's
-temporary file and SIGKILLs the process inside the write), then runs
+`KERAS_ACCUM_CHECKPOINT_HOOK=kill:<n>` that truncates the n-th atomic
+write's temporary file and SIGKILLs the process inside the write), then runs
 `--resume` until it finishes. It then compares, bit for bit, the final
 checkpoint (weights and optimizer state), metrics.csv, the TensorBoard
 scalars and (loop) log.jsonl with the uninterrupted run's, and prints a table.
 Op determinism is on in every run.
+
+New-folder kills (`--new_folder_kills`, fit, loop and mirrored): a new run
+writes checkpoints/config.json (write 1), config.json (2), on the loop
+loop/config.json (3), then a checkpoint per epoch and at the end final.json.
+The hook kills it inside write 1 and 2 (`kill:<n>`) and just after them
+(`after:<n>`, between two writes); each such folder is recovered once with
+the same command plus `--resume` and once with the plain command, in the
+same folder, never deleted by the drill. `--resume` of a folder killed
+inside write 1 has no config to start: it must refuse in one line naming the
+plain command, which then runs. A last trial kills inside the final.json
+write and resumes.
 """
 
 import glob
@@ -49,6 +61,9 @@ flags.DEFINE_string("data_dir", None, "TFDS data_dir (default: <workdir>/data)."
 flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
 flags.DEFINE_float("timeout", 600, "Seconds allowed per launch.")
 flags.DEFINE_integer("early_kills", 2, "peer: trials killed within 2 s of the cluster forming.")
+flags.DEFINE_bool(
+    "new_folder_kills", True, "Kill new runs inside and between their first writes (not peer)."
+)
 
 # Run scripts/train.py with op determinism on and, for `mirrored`, 2
 # logical CPUs (set before TensorFlow starts, hence this bootstrap).
@@ -125,16 +140,23 @@ def finish(process, timeout):
     return process.returncode, out
 
 
-def complete(path, workdir, args, timeout):
-    """Resumes (or restarts, when killed before config.json) until the run
-    exits 0; returns the resume messages seen."""
+# The atomic writes of a new run before its first checkpoint (see the
+# module docstring): the first checkpoint is write FIRST[path] + 1.
+FIRST = {"fit": 2, "mirrored": 2, "loop": 3, "peer": 3}
+REFUSED = "error: --resume: no run folder"
+
+
+def complete(path, workdir, args, timeout, first=None):
+    """Runs `first` ("resume": the same command with --resume; "plain": the
+    plain command; None: --resume when the folder holds a config, else the
+    plain command) and then --resume until the run exits 0, in the same
+    folder; returns the resume messages seen. A --resume of a folder with
+    no config must refuse in one line naming the plain command."""
     messages = []
     for attempt in range(5):
-        if (workdir / "config.json").exists():
-            argv = ["--workdir", str(workdir), "--resume"]
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-            argv = args
+        has_config = any((workdir / n).exists() for n in ("config.json", "checkpoints/config.json"))
+        use = first if attempt == 0 and first else ("resume" if has_config else "plain")
+        argv = ["--workdir", str(workdir), "--resume"] if use == "resume" else args
         if path == "peer":
             logs = workdir.parent / f"{workdir.name}_logs" / f"resume_{attempt}"
             code, out = finish_peer(launch_peer(argv, logs), timeout)
@@ -144,6 +166,10 @@ def complete(path, workdir, args, timeout):
         messages += [line for line in out.splitlines() if "Skipped" in line]
         if code == 0:
             return messages
+        if use == "resume" and not has_config and REFUSED in out and "--config" in out:
+            messages.append("refused: no config")  # as it must; the plain command follows
+            first = "plain"
+            continue
     raise RuntimeError(f"{path}: {workdir} did not complete; last output:\n{out[-3000:]}")
 
 
@@ -243,12 +269,17 @@ def trial(path, kind, index, root, data_dir, epochs, config, rng, duration, time
     extra = {}
     if path == "peer":
         what, extra = peer_trial(kind, index, workdir, args, rng, duration, epochs, timeout)
+    elif isinstance(kind, tuple):  # ("new", hook, first command)
+        _, hook, first = kind
+        code, _ = finish(launch(path, args, hook), timeout)
+        what = f"{hook} (exit {code}) then {first}"
+        messages = complete(path, workdir, args, timeout, first)
+        return what, messages, {**compare(root / path / "reference", workdir), **extra}
     elif kind == "write" or isinstance(kind, int):
         # The hook kills the process inside its n-th atomic write (n random
-        # unless given): the loop writes config.json then a checkpoint per
-        # epoch, the fit paths a checkpoint per epoch.
-        writes = epochs + 1 if path == "loop" else epochs
-        hook = f"kill:{kind if isinstance(kind, int) else rng.randint(1, writes)}"
+        # among the checkpoint writes unless given; see FIRST).
+        number = kind if isinstance(kind, int) else FIRST[path] + rng.randint(1, epochs)
+        hook = f"kill:{number}"
         code, _ = finish(launch(path, args, hook), timeout)
         what = f"{hook} (exit {code})"
     else:
@@ -336,11 +367,33 @@ def peer_trial(kind, index, workdir, args, rng, span, epochs, timeout):
     }
 
 
+def new_folder_kinds(path, epochs):
+    """The new-folder trials of `path`: kills inside and after each config
+    write, each recovered by --resume and by the plain command, then a kill
+    inside the final.json write (after the checkpoints) resumed."""
+    hooks = [f"{how}:{n}" for n in range(1, FIRST[path] + 1) for how in ("kill", "after")]
+    kinds = [("new", hook, first) for hook in hooks for first in ("resume", "plain")]
+    # Writes after the config: the checkpoints, the loop's metrics.csv, final.json.
+    final = FIRST[path] + epochs + (path == "loop") + 1
+    return kinds + [("new", f"kill:{final}", "resume")]
+
+
 def drill(
-    paths, random_kills, write_kills, epochs, config, root, data_dir, seed, timeout, early_kills=0
+    paths,
+    random_kills,
+    write_kills,
+    epochs,
+    config,
+    root,
+    data_dir,
+    seed,
+    timeout,
+    early_kills=0,
+    new_folder_kills=False,
 ):
     """Runs the drill; returns the table rows (dicts). `write_kills` is a
-    count of random write kills or a list of write numbers to kill in."""
+    count of random write kills or a list of write numbers to kill in;
+    `new_folder_kills` adds the trials of `new_folder_kinds`."""
     rng = random.Random(seed)
     rows = []
     prepare(config, data_dir)
@@ -362,6 +415,8 @@ def drill(
             raise RuntimeError(f"{path}: the reference run failed:\n{out[-3000:]}")
         kinds = ["early"] * early_kills * (path == "peer") + ["random"] * random_kills
         kinds += list(write_kills) if isinstance(write_kills, list) else ["write"] * write_kills
+        if new_folder_kills and path != "peer":
+            kinds += new_folder_kinds(path, epochs)
         for index, kind in enumerate(kinds):
             what, messages, result = trial(
                 path, kind, index, root, data_dir, epochs, config, rng, duration, timeout
@@ -378,7 +433,7 @@ def format_row(row):
     )
     if "lost_peer" in row:
         marks += f"  lost-peer error={'ok' if row['lost_peer'] else 'WRONG'}"
-    return f"{row['path']:9s} {row['kill']:28s} resumes={row['resumed']}  {marks}"
+    return f"{row['path']:9s} {row['kill']:34s} resumes={row['resumed']}  {marks}"
 
 
 def main(argv):
@@ -400,6 +455,7 @@ def main(argv):
         FLAGS.seed,
         FLAGS.timeout,
         FLAGS.early_kills,
+        FLAGS.new_folder_kills,
     )
     print("\npath      trials  weights+optimizer  metrics.csv  tensorboard  log.jsonl")
     for path in FLAGS.paths:

@@ -27,6 +27,10 @@ import time
 from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the package of this checkout
+
+from keras_accum.training import atomic  # noqa: E402
+
 FLAGS = flags.FLAGS
 
 
@@ -106,7 +110,7 @@ def splice_markdown(path, section, text):
         sys.exit(f"error: {path} has no {begin} ... {end} section.")
     head, rest = content.split(begin, 1)
     _, tail = rest.split(end, 1)
-    pathlib.Path(path).write_text(f"{head}{begin}\n{text.strip()}\n{end}{tail}")
+    atomic.atomic_write_text(path, f"{head}{begin}\n{text.strip()}\n{end}{tail}")
 
 
 def main(argv):
@@ -121,8 +125,10 @@ def main(argv):
         loads.append(os.getloadavg()[0])
         print(f"seed {seed}: test accuracy {final['test_accuracy']:.4f} ({wall:.0f} s)")
     text = report(rows, FLAGS.config, loads)
-    (workdir / "seeds.md").write_text(text + "\n")
-    (workdir / "seeds.json").write_text(json.dumps({"rows": rows, "loads": loads}, indent=2))
+    atomic.atomic_write_text(workdir / "seeds.md", text + "\n")
+    atomic.atomic_write_text(
+        workdir / "seeds.json", json.dumps({"rows": rows, "loads": loads}, indent=2)
+    )
     print(text)
     if FLAGS.splice:
         path, section = FLAGS.splice.rsplit(":", 1)

@@ -183,3 +183,31 @@ def test_same_stream_for_every_kappa_and_epochs_are_permutations():
 def test_bad_configs_are_refused(override, match):
     with pytest.raises(ValueError, match=match):
         invariance.resolve_config(override)
+
+
+@pytest.mark.parametrize(
+    "names,refused",
+    [
+        ([], None),
+        (["config.json", ".runs.csv.tmp-7"], None),  # killed while training or writing
+        (["config.json", "runs.csv", "spread.md", "curves_lr_0.01.png"], None),
+        (["config.json", "runs.csv", "summary.json"], "not empty"),  # finished
+        (["config.json", "notes.txt"], "not empty"),
+    ],
+)
+def test_an_unfinished_study_folder_is_reused_others_refused(names, refused, tmp_path):
+    from keras_accum.experiments.invariance import study
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in names:
+        (out / name).write_text("x")
+    if refused:
+        with pytest.raises(FileExistsError, match=refused):
+            study._check_workdir(out)
+        assert sorted(p.name for p in out.iterdir()) == sorted(names)
+    else:
+        assert sorted(p.name for p in study._check_workdir(out)) == sorted(names)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="workdir"):
+        study._check_workdir(tmp_path / "file" / "out")

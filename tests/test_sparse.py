@@ -319,3 +319,35 @@ def test_small_variable_gradient_is_made_dense(name, monkeypatch):
         else ka.InvariantAdam(0.1, steps=STEPS)
     )
     assert "ResourceScatterAdd" not in trace_ops(opt, jit_compile=False)
+
+
+@pytest.mark.parametrize("name", ["invariant", "update"])
+def test_steps_1_is_keras_adam_on_the_dense_gradient_not_on_the_rows(name):
+    # The README's claim: with steps=1 the Adam variants equal Keras's Adam
+    # given the dense gradient of an Embedding whose token repeats; Keras's
+    # Adam given the IndexedSlices squares the repeated rows one by one.
+    tokens = np.array([[1, 1, 1, 2]])
+
+    def step(optimizer, dense):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((4,), dtype="int32"),
+                keras.layers.Embedding(10, 3),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
+        )
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(tokens) - 1.0) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        assert isinstance(grads[0], tf.IndexedSlices)
+        if dense:
+            grads = [tf.convert_to_tensor(g) for g in grads]
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return model.layers[0].get_weights()[0]
+
+    ours = {"invariant": ka.InvariantAdam, "update": ka.UpdateAccumulationAdam}[name]
+    result = step(ours(0.1, steps=1), dense=False)
+    np.testing.assert_array_equal(result, step(keras.optimizers.Adam(0.1), dense=True))
+    assert not np.allclose(result, step(keras.optimizers.Adam(0.1), dense=False), atol=1e-3)

@@ -597,6 +597,30 @@ def test_kill_inside_a_write_keeps_the_previous_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.txt"]
 
 
+def test_kill_between_writes_and_a_failed_write(tmp_path):
+    # after:<n> kills just after the n-th write is complete, before the
+    # next starts; a block that raises leaves the old file and no leftover.
+    script = (
+        "import sys\n"
+        "from keras_accum.training import atomic\n"
+        "atomic.atomic_write_text(sys.argv[1] + '.a', 'a')\n"
+        "atomic.atomic_write_text(sys.argv[1] + '.b', 'b')\n"
+    )
+    target = tmp_path / "state"
+    env = dict(os.environ, PYTHONPATH=ROOT, KERAS_ACCUM_CHECKPOINT_HOOK="after:1")
+    result = subprocess.run([sys.executable, "-c", script, str(target)], env=env, timeout=120)
+    assert result.returncode == -9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.a"]
+    from keras_accum.training import atomic
+
+    with pytest.raises(RuntimeError):
+        with atomic.replacing(tmp_path / "state.a") as f:
+            f.write("half")
+            raise RuntimeError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.a"]
+    assert (tmp_path / "state.a").read_text() == "a"
+
+
 def test_logs_rewind_to_the_checkpoint(tmp_path):
     from keras_accum.training import logs
 

@@ -17,6 +17,11 @@ to read or repeat the run:
     final.json       test (and validation) loss and accuracy of the final model
     curves.png       training, validation and test curves
 
+Every whole file is written atomically (`keras_accum.training.atomic`), the
+checkpoints' config first. A run killed before its first checkpoint leaves
+nothing to protect: the plain command clears and restarts its folder, and
+--resume starts it from the beginning (`run_folder`).
+
 Batches: the training stream is `micro_batch_size * replicas` items per
 call, `steps` calls per update, so kappa = steps * replicas micro-batches
 make one update. An epoch is a whole number of windows
@@ -37,7 +42,7 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import diagnostics, nonfinite, training
-from keras_accum.experiments import data, models, optimizers, run_config
+from keras_accum.experiments import data, models, optimizers, run_config, run_folder
 from keras_accum.experiments.callbacks import AccumulationLogger, CSVLogger, SplitLabels
 from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config API)
     DEFAULTS,
@@ -46,7 +51,7 @@ from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config
     resolve_config,
     validation_examples,
 )
-from keras_accum.training import checkpoints, fit
+from keras_accum.training import atomic, fit
 
 
 def make_strategy(name):
@@ -188,7 +193,7 @@ def train_and_evaluate(config, workdir, resume=False):
         "updates": int(np.asarray(model.optimizer.iterations)),
         "train_seconds_this_session": round(time.time() - start, 1),
     }
-    (workdir / "final.json").write_text(json.dumps(final, indent=2))
+    atomic.atomic_write_text(str(workdir / "final.json"), json.dumps(final, indent=2))
     plot_run_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
 
@@ -211,26 +216,31 @@ def _resumable(callbacks, workdir, point, resume):
 
 
 def _checked_run(config, workdir, resume):
-    """Checks the whole run, then (new run, chief) writes config.json.
+    """Checks the whole run, then (chief) writes the config files.
 
     Returns (config, strategy, DatasetInfo, held-out examples, windows per
     epoch). Every check comes before the first write, so a refused run
-    leaves the folder usable by the corrected command.
+    leaves the folder usable by the corrected command. A folder killed
+    before its first checkpoint is started again (`run_folder`).
     """
-    config = run_config.resume_config(config, workdir) if resume else resolve_config(config)
-    if not resume:
-        run_config.check_new_workdir(workdir)
+    if resume:
+        config = run_config.resume_config(config, workdir)
+        fresh = not run_folder.has_checkpoint(workdir)
+    else:
+        config = resolve_config(config)
+        run_folder.check_new(workdir)
+        fresh = True
     strategy = make_strategy(config["strategy"])
     replicas = strategy.num_replicas_in_sync
     run_config.check_scaling(config, replicas)
     info, held_out, windows_per_epoch = run_config.check_data(config, replicas)
     # Multi-worker: every worker runs this; only the chief owns the folder.
-    if not resume and training.is_chief(strategy):
-        text = json.dumps(config, indent=2, sort_keys=True)
-        (workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        # The config the checkpoints belong to, to catch an edited config.json.
-        (workdir / "checkpoints" / "config.json").write_text(text)
-        (workdir / "config.json").write_text(text)
+    if fresh and training.is_chief(strategy):
+        if workdir.exists():
+            # Logs of a run killed before its first checkpoint (and, for a
+            # new run, its config files): nothing of value.
+            run_folder.clear(workdir, configs=not resume)
+        run_folder.write_configs(workdir, json.dumps(config, indent=2, sort_keys=True))
     return config, strategy, info, held_out, windows_per_epoch
 
 
@@ -325,7 +335,7 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
     }
     if training.is_chief(strategy):
         _write_metrics(workdir / "metrics.csv", history)
-        (workdir / "final.json").write_text(json.dumps(final, indent=2))
+        atomic.atomic_write_text(str(workdir / "final.json"), json.dumps(final, indent=2))
         plot_run_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
 
@@ -365,7 +375,7 @@ def _write_metrics(metrics_csv, history):
     writer.writerow(["epoch"] + keys)
     for e in range(len(history.get("loss", []))):
         writer.writerow([e] + [history[k][e] for k in keys])
-    checkpoints.atomic_write_text(str(metrics_csv), text.getvalue())
+    atomic.atomic_write_text(str(metrics_csv), text.getvalue())
 
 
 def plot_run_curves(metrics_csv, png):
@@ -390,5 +400,6 @@ def plot_run_curves(metrics_csv, png):
         ax.set_title(metric)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    with atomic.replacing(png, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)

@@ -3,9 +3,9 @@
 `SCHEMA` lists every key of a run (scripts/train.py derives its flags from
 it); `resolve_config` fills the defaults and checks each value and the
 combinations that need no data (scaling rule at kappa = steps, model
-arguments, TF_CONFIG). `check_data`, `check_new_workdir` and
-`resume_config` finish the checks that need the dataset, the strategy or
-the run folder; `experiment.train_and_evaluate` runs them all before it
+arguments, TF_CONFIG). `check_data`, `resume_config` and
+`run_folder.check_new` finish the checks that need the dataset, the
+strategy or the run folder; `experiment.train_and_evaluate` runs them all before it
 writes anything.
 """
 
@@ -15,7 +15,7 @@ import pathlib
 
 import keras_accum as ka
 from keras_accum.experiments import config as cfg
-from keras_accum.experiments import data, models, optimizers
+from keras_accum.experiments import data, models, optimizers, run_folder
 
 OPTIMIZERS, INNER_OPTIMIZERS = optimizers.OPTIMIZERS, optimizers.INNER_OPTIMIZERS
 STRATEGIES = ("default", "mirrored", "multi_worker")
@@ -201,15 +201,33 @@ def validation_examples(config, num_train_examples):
 
 
 def resume_config(config, workdir):
-    """The run folder's own config, checked against its checkpoints' copy."""
+    """The run folder's own config, checked against its checkpoints' copy.
+
+    A folder without a checkpoint (killed before its first one) may lack
+    config.json: its run's config is then `checkpoints/config.json`, the
+    first file a new run writes (see `run_folder`)."""
+    run_folder.check_path(workdir)
     path = workdir / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"--resume: no run folder at {str(workdir)!r} (config.json missing)."
-        )
-    saved = resolve_config(cfg.load_json(path))
     original_path = workdir / "checkpoints" / "config.json"
-    if original_path.is_file():
+    started = run_folder.has_checkpoint(workdir)
+    if not path.is_file():
+        if started or not original_path.is_file():
+            hint = f"; start a run there with --config <file> --workdir {workdir}"
+            hint = "" if started else hint
+            raise FileNotFoundError(
+                f"--resume: no run folder at {str(workdir)!r} (config.json missing){hint}."
+            )
+        path = original_path
+    try:
+        saved = resolve_config(cfg.load_json(path))
+    except cfg.ConfigError as error:
+        if started:
+            raise
+        raise cfg.ConfigError(
+            f"{error} No checkpoint there yet: the plain command (--config <file> "
+            f"--workdir {workdir}) starts the run again."
+        ) from None
+    if started and original_path.is_file():
         original = cfg.load_json(original_path)
         changed = SCHEMA.diff(saved, original)
         if changed:
@@ -226,16 +244,6 @@ def resume_config(config, workdir):
                 f"{', '.join(changed)}. Drop the other config or overrides."
             )
     return saved
-
-
-def check_new_workdir(workdir):
-    if workdir.exists() and not workdir.is_dir():
-        raise FileExistsError(f"workdir={str(workdir)!r} is a file, not a folder.")
-    if workdir.exists() and any(workdir.iterdir()):
-        raise FileExistsError(
-            f"workdir={str(workdir)!r} is not empty; pass --resume to "
-            "continue that run or choose a new folder."
-        )
 
 
 def check_data(config, replicas):

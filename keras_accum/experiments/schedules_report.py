@@ -3,7 +3,8 @@
 
 import numpy as np
 
-from keras_accum.experiments.invariance.report import _pyplot
+from keras_accum.experiments.invariance.report import _pyplot, save_figure
+from keras_accum.training import atomic
 
 LOSSES = ("train_loss", "test_loss")
 
@@ -171,7 +172,7 @@ def plot_switch(rows, config, lr, png, metric="train_loss"):
         f"(grey line), base lr {lr:g}, mean over {len(config['seeds'])} seeds"
     )
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    save_figure(fig, png)
     plt.close(fig)
 
 
@@ -199,14 +200,16 @@ def plot_adaptive(rows, config, lr, png):
         ax.legend()
     fig.suptitle(f"adaptive kappa vs constant, base lr {lr:g}, mean over seeds")
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    save_figure(fig, png)
     plt.close(fig)
 
 
 def write_report(rows, decisions, config, workdir):
     switch_rows = switch_summary(rows, config)
     adaptive_rows = adaptive_summary(rows, config)
-    (workdir / "summary.md").write_text(markdown(switch_rows, adaptive_rows, config, decisions))
+    atomic.atomic_write_text(
+        workdir / "summary.md", markdown(switch_rows, adaptive_rows, config, decisions)
+    )
     for lr in config["switch_learning_rates"]:
         plot_switch(rows, config, lr, workdir / f"switch_lr_{lr:g}.png")
     for lr in config["adaptive_learning_rates"]:

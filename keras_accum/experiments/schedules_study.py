@@ -53,6 +53,7 @@ from keras_accum.experiments.study_runner import (
     load_arrays,
     micro_batch_indices,
 )
+from keras_accum.training import atomic
 
 F = cfg.Field
 _POSITIVE = F("", "float", 1e-3, "", minimum=0.0, open_minimum=True)
@@ -294,7 +295,7 @@ class SchedulesStudy:
 
         workdir = pathlib.Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+        atomic.atomic_write_text(workdir / "config.json", json.dumps(self.config, indent=2) + "\n")
         write_csv(workdir / "runs.csv", self.rows)
         if self.decisions:  # none without adaptive runs
             write_csv(workdir / "decisions.csv", self.decisions)
@@ -306,7 +307,8 @@ class SchedulesStudy:
             "seconds": round(seconds, 1),
             "cpu_seconds": round(cpu, 1),
         }
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        # Last: a folder without summary.json is an unfinished study.
+        atomic.atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 def _apply_sqrt_rule(optimizer, kappa):

@@ -23,11 +23,9 @@ Two formats:
 
 Logs rewind with the checkpoint: see `keras_accum.training.logs`.
 
-Testing hook: with the environment variable `KERAS_ACCUM_CHECKPOINT_HOOK`
-set to `sleep:<seconds>`, every write pauses that long between writing its
-temporary file and renaming it (a window for an outside SIGKILL); with
-`kill:<n>`, the process truncates the n-th temporary file it writes (n from
-1) to half its size and SIGKILLs itself: a kill in the middle of a write.
+The file helpers (temporary names, fsync, commit, the testing hook
+`KERAS_ACCUM_CHECKPOINT_HOOK`) are in `keras_accum.training.atomic`; their
+names stay importable from here for one release.
 """
 
 import glob
@@ -35,8 +33,6 @@ import io
 import json
 import os
 import re
-import signal
-import time
 import warnings
 import zipfile
 
@@ -44,74 +40,23 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-HOOK = "KERAS_ACCUM_CHECKPOINT_HOOK"
+from keras_accum.training.atomic import (  # noqa: F401 (moved there; kept here for one release)
+    HOOK,
+    atomic_write_text,
+    commit,
+    fsync_dir,
+    fsync_file,
+    remove_partial,
+    temporary_name,
+)
+
 STATE_ENTRY = "keras_accum_state.json"
 REPLICAS_ENTRY = "keras_accum_replicas.npz"
 REPLICAS_SUFFIX = ".replicas.npz"
-_writes = [0]
 
 
 class CheckpointError(ValueError):
     """A checkpoint file is truncated, foreign or unreadable."""
-
-
-# -- files ----------------------------------------------------------------------
-
-
-def fsync_file(path):
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(directory):
-    fd = os.open(directory or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def temporary_name(path, suffix=""):
-    """A hidden name beside `path` for writing it: `.<name>.tmp-<pid><suffix>`."""
-    head, tail = os.path.split(str(path))
-    return os.path.join(head, f".{tail}.tmp-{os.getpid()}{suffix}")
-
-
-def remove_partial(directory):
-    """Deletes leftovers of interrupted writes (hidden `*.tmp-*` names)."""
-    for path in glob.glob(os.path.join(glob.escape(str(directory)), ".*.tmp-*")):
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-
-
-def _hook(path):
-    """The testing hook (see the module docstring), between write and rename."""
-    action, _, arg = os.environ.get(HOOK, "").partition(":")
-    _writes[0] += 1
-    if action == "sleep":
-        time.sleep(float(arg))
-    elif action == "kill" and _writes[0] == int(arg):
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def commit(temporary, final):
-    """fsync `temporary`, run the hook, rename it to `final`, fsync the folder."""
-    fsync_file(temporary)
-    _hook(temporary)
-    os.replace(temporary, final)
-    fsync_dir(os.path.dirname(str(final)))
-
-
-def atomic_write_text(path, text):
-    """Writes `text` to `path` atomically (temporary name, fsync, rename)."""
-    temporary = temporary_name(path)
-    with open(temporary, "w") as f:
-        f.write(text)
-    commit(temporary, path)
 
 
 def _newest_intact(candidates, verify, what):

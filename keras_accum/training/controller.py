@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import nonfinite
-from keras_accum.training import checkpoints
+from keras_accum.training import atomic
 from keras_accum.training import logs as run_logs
 from keras_accum.training.distribute import is_chief, peer_errors
 from keras_accum.training.trainer import Trainer, peek_batch_size, steps_per_update
@@ -263,7 +263,7 @@ class Controller:
             return
         os.makedirs(self.workdir, exist_ok=True)
         text = json.dumps(fields, indent=1, default=repr)
-        checkpoints.atomic_write_text(os.path.join(self.workdir, "config.json"), text)
+        atomic.atomic_write_text(os.path.join(self.workdir, "config.json"), text)
 
 
 def _check_run(optimizer, dataset, strategy, epochs, steps, micro_batch_size, every, verbose):

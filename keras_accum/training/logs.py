@@ -13,7 +13,7 @@ import os
 
 import tensorflow as tf
 
-from keras_accum.training.checkpoints import atomic_write_text, commit, temporary_name
+from keras_accum.training.atomic import atomic_write_text, commit, temporary_name
 
 
 def rewind_csv(path, keep):

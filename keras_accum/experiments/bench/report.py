@@ -7,6 +7,7 @@ import os
 from keras_accum.experiments.bench.config import device_of, place
 from keras_accum.experiments.bench.costs import cost_rows
 from keras_accum.experiments.bench.targets import TARGETS, summarize
+from keras_accum.training import atomic
 
 RATIO_COLUMNS = (
     "setting",
@@ -297,15 +298,16 @@ def markdown(result, command=None):
 
 
 def write_outputs(result, directory, command=None):
-    """Writes results.md, results.json, samples.csv and config.json."""
+    """Writes results.md, results.json, samples.csv and config.json, each
+    atomically."""
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "results.md"), "w") as f:
+    with atomic.replacing(os.path.join(directory, "results.md")) as f:
         f.write(markdown(result, command))
-    with open(os.path.join(directory, "results.json"), "w") as f:
+    with atomic.replacing(os.path.join(directory, "results.json")) as f:
         json.dump(dict(result, command=command), f, indent=1)
-    with open(os.path.join(directory, "config.json"), "w") as f:
+    with atomic.replacing(os.path.join(directory, "config.json")) as f:
         json.dump({"command": command, "config": result["config"]}, f, indent=1)
-    with open(os.path.join(directory, "samples.csv"), "w", newline="") as f:
+    with atomic.replacing(os.path.join(directory, "samples.csv"), newline="") as f:
         writer = csv.writer(f)
         writer.writerow(
             ["setting", "model", "micro_batch", "contender", "round", "seconds_per_micro_batch"]
@@ -339,5 +341,4 @@ def splice_markdown(path, section, text):
     content = check_splice(path, section)
     head, rest = content.split(begin, 1)
     _, tail = rest.split(end, 1)
-    with open(path, "w") as f:
-        f.write(f"{head}{begin}\n{text.strip()}\n{end}{tail}")
+    atomic.atomic_write_text(path, f"{head}{begin}\n{text.strip()}\n{end}{tail}")

@@ -16,6 +16,7 @@ import tempfile
 
 import keras_accum as ka
 from keras_accum.experiments.bench.config import SETTINGS, BenchConfig, log
+from keras_accum.training import atomic
 
 
 def run_worker(task, config, timeout=3600):
@@ -93,5 +94,5 @@ def main(payload):
         )
     else:
         result = memory.measure_rss(task["model"], task["contender"], config)
-    with open(payload["out"], "w") as f:
+    with atomic.replacing(payload["out"]) as f:  # a killed worker leaves no half file
         json.dump(result, f)

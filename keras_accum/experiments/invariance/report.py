@@ -7,10 +7,12 @@ import math
 import numpy as np
 
 from keras_accum.experiments.study_runner import METRICS  # noqa: F401 (re-exported)
+from keras_accum.training import atomic
 
 
 def write_csv(path, rows):
-    with open(path, "w", newline="") as f:
+    """`rows` (dicts with the same keys) as the CSV file `path`, atomically."""
+    with atomic.replacing(path, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -206,6 +208,12 @@ def markdown_report(summary_rows, noise_rows, config, seconds, cpu_seconds, rows
 # -- plots --------------------------------------------------------------------
 
 
+def save_figure(fig, png):
+    """Saves `fig` as the PNG file `png` atomically."""
+    with atomic.replacing(png, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+
+
 def _pyplot():
     import matplotlib
 
@@ -240,7 +248,7 @@ def plot_spread(summary_rows, config, png):
         f"run and over {len(config['seeds'])} seeds (bars: seed std)"
     )
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    save_figure(fig, png)
     plt.close(fig)
 
 
@@ -278,5 +286,5 @@ def plot_method_curves(rows, config, lr, png):
         f"{len(config['seeds'])} seeds"
     )
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    save_figure(fig, png)
     plt.close(fig)

@@ -1,12 +1,13 @@
 """Runs the study and writes its output folder."""
 
+import fnmatch
 import json
 import pathlib
 import time
 
 import tensorflow as tf
 
-from keras_accum.experiments import data
+from keras_accum.experiments import data, run_folder
 from keras_accum.experiments.invariance import report
 from keras_accum.experiments.invariance.config import (
     method_optimizer,
@@ -14,6 +15,11 @@ from keras_accum.experiments.invariance.config import (
     resolve_config,
 )
 from keras_accum.experiments.study_runner import StudyRunner, load_arrays, micro_batch_indices
+from keras_accum.training import atomic
+
+# The files a study writes; summary.json comes last, so a folder without it
+# holds an unfinished study (killed, or stopped by an error).
+OUTPUTS = ("config.json", "runs.csv", "noise_scale.csv", "spread.md", "spread_vs_lr.png")
 
 
 def _log(config, message):
@@ -154,10 +160,11 @@ class InvarianceStudy:
         train_seconds = time.time() - self.started
         cpu_seconds = time.process_time() - self.cpu_started
         summary_rows = report.summarize(self.rows, c)
-        (workdir / "spread.md").write_text(
+        atomic.atomic_write_text(
+            workdir / "spread.md",
             report.markdown_report(
                 summary_rows, self.noise_rows, c, train_seconds, cpu_seconds, self.rows
-            )
+            ),
         )
         report.plot_spread(summary_rows, c, workdir / "spread_vs_lr.png")
         for lr in c["plot_learning_rates"]:
@@ -176,14 +183,15 @@ def run_study(config, workdir):
     (see the module docstring). Returns the summary dict."""
     config = resolve_config(config)
     workdir = pathlib.Path(workdir)
-    if workdir.exists() and any(workdir.iterdir()):
-        raise FileExistsError(f"workdir={str(workdir)!r} is not empty; choose a new folder.")
+    unfinished = _check_workdir(workdir)
+    for path in unfinished:
+        path.unlink()
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    atomic.atomic_write_text(workdir / "config.json", json.dumps(config, indent=2, sort_keys=True))
     study = InvarianceStudy(config)
     study.run()
     summary = study.write(workdir)
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic.atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     _log(
         config,
         f"Done in {summary['seconds'] / 60:.1f} min: {workdir}/ "
@@ -191,3 +199,19 @@ def run_study(config, workdir):
         "noise_scale.csv, config.json)",
     )
     return summary
+
+
+def _check_workdir(workdir):
+    """The files of an unfinished study in `workdir` (to delete: it restarts
+    there), or [] for a new or empty folder; refuses (one line) a file, a
+    finished study and a folder with other files."""
+    run_folder.check_path(workdir)
+    found = list(workdir.iterdir()) if workdir.exists() else []
+    ours = all(p.is_file() and _is_output(p.name) for p in found)
+    if not ours:
+        raise FileExistsError(f"workdir={str(workdir)!r} is not empty; choose a new folder.")
+    return found
+
+
+def _is_output(name):
+    return name in OUTPUTS or fnmatch.fnmatch(name, "curves_lr_*.png") or atomic.is_partial(name)
