@@ -151,13 +151,11 @@ class InvariantAdam(AdamFamily):
             _, rate_1, rate_2 = self._window_factors(replicas)
 
             def fold_keras_form(ok):
-                zeros = [tf.zeros((), g.dtype) for g in grads]
-                kept = (
-                    zeros
-                    if ok is False
-                    else [_execution.where(ok, g, z) for g, z in zip(grads, zeros)]
-                )
-                kept = kept if ok is False else self._clip_micro_batch(kept, replicas)
+                if ok is False:  # a skipped micro-batch: a zero gradient
+                    kept = [tf.zeros((), g.dtype) for g in grads]
+                else:
+                    kept = [_execution.where(ok, g, tf.zeros((), g.dtype)) for g in grads]
+                    kept = self._clip_micro_batch(kept, replicas)
                 folds.keras_moments(kept, moments, rate_1, rate_2, replicas, self.assign_add)
 
             _execution.by_condition(fold_keras_form, ok)
