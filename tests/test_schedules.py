@@ -395,7 +395,7 @@ def test_custom_loop_resumes_mid_window_across_a_switch(tmp_path):
     uninterrupted = fresh()
     micro_steps(uninterrupted, dataset, 12)
     assert int(uninterrupted.optimizer.iterations.numpy()) == 4
-    with pytest.raises(ValueError, match="schedule.*micro_step"):
+    with pytest.raises(ValueError, match="schedule.*micro_batch_step"):
         uninterrupted.train_step(iter(uninterrupted.distribute(dataset)))
     for saved_at in (5,):
         first = fresh()

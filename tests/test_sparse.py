@@ -52,10 +52,12 @@ def run(opt, feed, jit_compile=False):
     var = keras.Variable(np.ones((ROWS, WIDTH), "float32"))
     opt.build([var])
 
+    takes_weights = getattr(opt, "takes_weights", False)
+
     @tf.function(jit_compile=jit_compile)
     def step(values, indices, weight):
         grad = tf.IndexedSlices(values, indices, tf.constant([ROWS, WIDTH]))
-        opt.apply([grad], [var], weight=weight)
+        opt.apply([grad], [var], weight=weight if takes_weights else None)
 
     for j in range(len(INDICES)):
         grad, weight = feed(j)

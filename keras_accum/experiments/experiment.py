@@ -77,17 +77,17 @@ def make_optimizer(config, kappa, total_updates):
         hyper["learning_rate"] = keras.optimizers.schedules.CosineDecay(
             hyper["learning_rate"], decay_steps=total_updates * (kappa if scheduled else 1)
         )
-    steps = config["steps"]
+    steps, rule = config["steps"], None
     if scheduled:
         steps = ka.PiecewiseSteps(config["steps_boundaries"], config["steps_values"])
-        if config["scaling_rule"]:  # invariant_adam only (run_config checks)
-            hyper["scaling_rule"] = config["scaling_rule"]
+        rule = config["scaling_rule"]  # invariant_adam only (run_config checks)
     return optimizers.build(
         config["optimizer"],
         steps,
         hyper,
         inner=config["inner_optimizer"],
         weight_decay=config["weight_decay"],
+        scaling_rule=rule,
     )
 
 
