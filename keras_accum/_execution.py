@@ -169,32 +169,25 @@ class KeptWrites:
                 continue
             variable.assign(tf.where(self.keep, tf.convert_to_tensor(variable), self._before[key]))
 
+    def writer(self, optimizer):
+        """What an update of `optimizer` writes its slots and variables with
+        (`assign`, `assign_add`, `assign_sub`, as a Keras optimizer's
+        methods), writing kept values: it is passed to the update."""
+        return _KeptWriter(
+            self, lambda variable, value: type(optimizer).assign(optimizer, variable, value)
+        )
+
     @contextlib.contextmanager
     def routing(self, optimizer):
-        """Routes `optimizer.assign`, `assign_add` and `assign_sub` through
-        `assign` while the update runs.
-
-        A keras_accum optimizer reads `optimizer.kept_writes` in its own
-        `assign*` methods. A Keras optimizer (the one `GradientAccumulation`
-        wraps) writes its slots with `assign*` from inside its
-        `update_step`, which takes no such argument: there, and only there,
-        the three methods are replaced on the instance for the duration."""
+        """Routes the `assign*` methods of a Keras optimizer that this
+        library wraps (`GradientAccumulation`'s) through `assign` while the
+        update runs. Its `update_step` writes with its own methods and takes
+        no writer, so there, and only there, the three methods are replaced
+        on the instance for the duration."""
         names = ("assign", "assign_add", "assign_sub")
-        if hasattr(optimizer, "kept_writes"):
-            optimizer.kept_writes = self
-            try:
-                yield
-            finally:
-                optimizer.kept_writes = None
-            return
-        # The kept value is whole: written with the class's own `assign`.
-        write = lambda variable, value: type(optimizer).assign(optimizer, variable, value)
+        writer = self.writer(optimizer)
         for name in names:
-
-            def assign(variable, value, mode=name):
-                self.assign(write, variable, value, mode)
-
-            setattr(optimizer, name, assign)
+            setattr(optimizer, name, getattr(writer, name))
         try:
             yield
         finally:
@@ -202,21 +195,39 @@ class KeptWrites:
                 delattr(optimizer, name)
 
 
-def keep_where(keep, trainable_variables, state, optimizers, write):
-    """Runs `write()` and keeps its writes only where `keep` holds.
+class _KeptWriter:
+    """`assign`, `assign_add` and `assign_sub` that keep their writes only
+    where `kept.keep` holds (see `KeptWrites.assign`)."""
+
+    def __init__(self, kept, write):
+        self._kept, self._write = kept, write
+
+    def assign(self, variable, value):
+        self._kept.assign(self._write, variable, value, "assign")
+
+    def assign_add(self, variable, value):
+        self._kept.assign(self._write, variable, value, "assign_add")
+
+    def assign_sub(self, variable, value):
+        self._kept.assign(self._write, variable, value, "assign_sub")
+
+
+def keep_where(keep, trainable_variables, state, owner, update, wrapped=()):
+    """Runs `update(writer)` and keeps its writes only where `keep` holds.
 
     `state`: every variable the update may write, `trainable_variables`
-    included; it writes them directly or through the `assign*` methods of
-    `optimizers`.
+    included. `update` writes them directly or with `writer` (the kept
+    `assign*` of `owner`, the optimizer), and `wrapped` optimizers with
+    their own methods (routed while it runs).
     """
     kept = KeptWrites(keep, state)
     with contextlib.ExitStack() as stack:
-        for optimizer in optimizers:
+        for optimizer in wrapped:
             stack.enter_context(kept.routing(optimizer))
-        write()
+        update(kept.writer(owner))
     # Written again after the update's `assign*`: by a constraint, or by an
     # EMA overwrite (all of them); the kept select must cover those again.
     again = [v for v in trainable_variables if v.constraint is not None]
-    if any(o.use_ema and o.ema_overwrite_frequency for o in optimizers):
+    if any(o.use_ema and o.ema_overwrite_frequency for o in [owner, *wrapped]):
         again = trainable_variables
     kept.restore(reselect=again)

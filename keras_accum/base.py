@@ -63,9 +63,6 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
     # True when `apply(weight=...)` weighs the micro-batch (a weighted
     # window mean); the others refuse a weight rather than ignore it.
     takes_weights = False
-    # Set while a kept update runs (`_execution.keep_where`): writes through
-    # `assign*` then hold only at the window's boundary.
-    kept_writes = None
 
     def __init__(self, learning_rate, steps=1, nonfinite="skip_micro_batch", **kwargs):
         super().__init__(learning_rate=learning_rate, **kwargs)
@@ -152,23 +149,6 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         step = self._micro_step
         return tf.logical_and(step > 0, self._window_done(step))
 
-    # -- writes ---------------------------------------------------------------
-
-    def assign(self, variable, value):
-        self._write(variable, value, "assign")
-
-    def assign_add(self, variable, value):
-        self._write(variable, value, "assign_add")
-
-    def assign_sub(self, variable, value):
-        self._write(variable, value, "assign_sub")
-
-    def _write(self, variable, value, mode):
-        if self.kept_writes is None:
-            getattr(super(), mode)(variable, value)
-        else:
-            self.kept_writes.assign(super().assign, variable, value, mode)
-
     # -- the step -----------------------------------------------------------
 
     def apply_gradients(self, grads_and_vars, weight=None):
@@ -243,7 +223,7 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         wraps) was created under, else TensorFlow fails later, naming
         neither."""
         strategy = tf.distribute.get_strategy()
-        for optimizer in self._updating_optimizers():
+        for optimizer in [self, *self._wrapped_optimizers()]:
             if optimizer._distribution_strategy is not strategy:
                 raise ValueError(
                     f"Optimizer '{optimizer.name}' ({type(optimizer).__name__}) was created "
@@ -303,8 +283,10 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         its writes are kept only where `boundary` holds."""
         window, window_ok = self._read_window(trainable_variables)
 
-        def update():
-            self._update(trainable_variables, window)
+        def update(writes=self):
+            # `writes`: what the update writes its slots and variables with
+            # (this optimizer's `assign*`, or their kept form under a select).
+            self._update(trainable_variables, window, writes)
             self._finish_update(trainable_variables)
             self._iterations.assign_add(1)
 
@@ -319,8 +301,8 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         if boundary is not None:
             keep = boundary if window_ok is None else boundary & window_ok
             state = list(trainable_variables) + list(self.variables)
-            optimizers = self._updating_optimizers()
-            _execution.keep_where(keep, trainable_variables, state, optimizers, update)
+            wrapped = self._wrapped_optimizers()
+            _execution.keep_where(keep, trainable_variables, state, self, update, wrapped)
             if window_ok is not None:
                 dropped = boundary & tf.logical_not(window_ok)
                 self._skipped_updates.assign_add(tf.cast(dropped, "int64"))
@@ -377,7 +359,10 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         may be applied (None: always)."""
         return None, None
 
-    def _update(self, variables, window):
+    def _update(self, variables, window, writes):
+        """The window's update: `writes.assign*` (this optimizer's own
+        methods, or their kept form under a select) for what the update
+        reads back; direct writes are kept too."""
         raise NotImplementedError
 
     def _drop_window(self, variables, dropped=None):
@@ -385,9 +370,10 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         no non-finite window state behind. Nothing by default."""
         return None  # a docstring-only body makes AutoGraph warn when traced
 
-    def _updating_optimizers(self):
-        """The optimizers whose `assign*` the update calls."""
-        return [self]
+    def _wrapped_optimizers(self):
+        """Keras optimizers this one steps in its update (they write with
+        their own `assign*`)."""
+        return []
 
     def get_config(self):
         config = super().get_config()

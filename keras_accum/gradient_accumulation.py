@@ -277,7 +277,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def _accumulators_of(self, variables):
         return [self._accumulators[self._get_variable_index(v)] for v in variables]
 
-    def _update(self, variables, window):
+    def _update(self, variables, window, writes):
         (total_weight,) = window
         accumulators = self._accumulators_of(variables)
         inner = self.inner_optimizer
@@ -305,8 +305,8 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def _finish_update(self, variables):
         pass  # the inner optimizer applies its EMA and constraints itself
 
-    def _updating_optimizers(self):
-        return [self, self.inner_optimizer]
+    def _wrapped_optimizers(self):
+        return [self.inner_optimizer]
 
     def get_config(self):
         return {

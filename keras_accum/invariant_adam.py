@@ -1,5 +1,6 @@
 """Batch-size invariant Adam (Wang & Aitchison 2024, arXiv:2402.18824)."""
 
+import functools
 from typing import Any
 
 import keras
@@ -188,7 +189,7 @@ class InvariantAdam(AdamFamily):
         values = (steps, replicas / steps, beta_1_rate, beta_2_rate, start)
         return tuple(tf.cast(x, "float32") for x in values)
 
-    def _update(self, variables, window):
+    def _update(self, variables, window, writes):
         learning_rate = self.learning_rate
         update_count = self._iterations + 1
         if self.scaling_rule is not None:
@@ -203,9 +204,8 @@ class InvariantAdam(AdamFamily):
         else:
             totals = [(m.value, v.value) for m, v in moments]
         for var, (m, v), (m_total, v_total) in zip(variables, moments, totals):
-            _replicas.update_each(
-                [var], self._apply_moments, m_total, v_total, learning_rate, update_count
-            )
+            apply = functools.partial(self._apply_moments, writes=writes)
+            _replicas.update_each([var], apply, m_total, v_total, learning_rate, update_count)
             if replicated:
                 # Spread the totals back evenly over the replicas.
                 _replicas.assign_total(m, _replicas.local_value(m_total))
@@ -228,14 +228,14 @@ class InvariantAdam(AdamFamily):
         totals = _replicas.sum_over_replicas(pairs)
         return list(zip(totals[::2], totals[1::2]))
 
-    def _apply_moments(self, variable, m, v, learning_rate, update_count):
+    def _apply_moments(self, variable, m, v, learning_rate, update_count, writes):
         if self.scaling_rule is None:
             alpha = self._adam_alpha(learning_rate, update_count, variable.dtype)
         else:  # `update_count` is the bias correction, see `_scaled_rate`
             alpha = tf.cast(learning_rate * update_count, variable.dtype)
         self._decay(variable, tf.cast(learning_rate, variable.dtype))
         # theta = theta - alpha_k m / (sqrt(v) + epsilon)
-        self.assign_sub(variable, (m * alpha) / (tf.sqrt(v) + self.epsilon))
+        writes.assign_sub(variable, (m * alpha) / (tf.sqrt(v) + self.epsilon))
 
     # -- hyperparameters that follow the window size (`scaling_rule`) --------
 

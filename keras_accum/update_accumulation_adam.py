@@ -151,7 +151,7 @@ class UpdateAccumulationAdam(AdamFamily):
             )
         _execution.run(folds.adam_micro_step, self, grads, handles, scalars, start, keep, jit=jit)
 
-    def _update(self, variables, window):
+    def _update(self, variables, window, writes):
         if self._updates is None:  # steps == 1: applied in the micro-step
             return
         learning_rate = self.learning_rate
@@ -161,6 +161,6 @@ class UpdateAccumulationAdam(AdamFamily):
             def apply_update(variable, update):
                 self._decay(variable, tf.cast(learning_rate, variable.dtype))
                 # theta = theta - A
-                self.assign_sub(variable, update)
+                writes.assign_sub(variable, update)
 
             _replicas.update_each([var], apply_update, update.value)
