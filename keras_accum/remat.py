@@ -1,0 +1,134 @@
+"""Rematerialization (gradient checkpointing) of a built model: `rematerialize`.
+
+Accumulation makes the batch independent of memory down to one micro-batch,
+activations included. Rematerialization lowers that floor: each layer keeps
+its input for the backward pass and recomputes everything else it computed
+(Chen et al. 2016, arXiv:1604.06174), for about one more forward pass.
+
+Modes (`MODES`):
+
+* "none": every activation is kept (Keras's default).
+* "full": every layer of the model is recomputed in the backward pass.
+* "larger_than": only layers whose output has more than
+  `output_size_threshold` elements per item (Keras's 1024) are.
+
+`rematerialize(model, mode)` gives each layer of a built model the mode
+`keras.RematScope(mode)` would have given it at construction, so a model
+from any builder, `keras.models.load_model` or a resumed run can be
+rematerialized, and the model's variables, their names and its saved files
+are those of the same model without it. The outermost model is not wrapped
+(recomputing the whole forward pass once more would save nothing beyond
+the per-layer recomputation); a nested model counts as its layers. An
+`Embedding` is never wrapped: its gradient is sparse (`tf.IndexedSlices`,
+one row per token seen), `tf.recompute_grad` would return it dense (every
+row, and Adam would then move rows no token touched), and a lookup keeps
+nothing that recomputing it would free.
+
+On the TensorFlow backend Keras's remat is `tf.recompute_grad`, which in a
+`tf.function` refuses keyword arguments, and Keras calls every layer with
+`training=...`: a model built under `keras.RematScope` cannot train in
+graph mode or under XLA (keras-team/keras#21207). `rematerialize` installs
+a fix: the tensors among the call's arguments are passed positionally to
+`tf.recompute_grad` and the other keyword arguments are bound around it.
+It changes only layers with a remat mode.
+
+The mode is read when a step is traced: set it before the first `fit` or
+`Trainer` step. What it saves and costs is measured in BENCHMARKS.md
+("Rematerialization"); the README's "When one example does not fit" sums
+it up.
+
+Example:
+
+    model = build_model(...)
+    keras_accum.remat.rematerialize(model, "full")
+    model.compile(optimizer=keras_accum.InvariantAdam(steps=8), loss=...)
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_accum.validation import check_choice
+
+MODES = ("none", "full", "larger_than")
+
+
+def check_mode(mode: str) -> str:
+    """`mode` if it is one of `MODES`, else a one-line ValueError."""
+    return check_choice("remat", mode, MODES)
+
+
+def rematerialize(model: keras.Model, mode: str, output_size_threshold: int = 1024):
+    """Sets the rematerialization mode of every layer of `model`; returns it.
+
+    Args:
+        model: a Keras model (built or not); its own call is not wrapped.
+        mode: one of `MODES`; "none" removes any mode set before.
+        output_size_threshold: elements per item above which "larger_than"
+            recomputes a layer's output.
+    """
+    check_mode(mode)
+    setting = None
+    if mode != "none":
+        _install_keyword_fix()
+        setting = _remat_mode(mode, output_size_threshold)
+    for layer in _layers(model):
+        layer._remat_mode = setting
+    return model
+
+
+def mode_of(model: keras.Model) -> str:
+    """The mode `rematerialize` set on `model` ("none" if it set none)."""
+    modes = {getattr(layer, "_remat_mode", None) for layer in _layers(model)}
+    modes = {m.mode for m in modes if m is not None}
+    return modes.pop() if len(modes) == 1 else "none"
+
+
+def _layers(model):
+    """The layers of `model`, a nested model replaced by its layers."""
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            yield from _layers(layer)
+        elif not isinstance(layer, keras.layers.Embedding):
+            yield layer
+
+
+def _remat_mode(mode, output_size_threshold):
+    """The RematMode Keras gives a layer built inside `RematScope(mode)`."""
+    from keras.src.backend.common.remat import get_current_remat_mode
+
+    with keras.RematScope(mode=mode, output_size_threshold=output_size_threshold):
+        return get_current_remat_mode()
+
+
+def recompute_grad(f):
+    """`tf.recompute_grad(f)` that accepts keyword arguments in graph mode.
+
+    The tensors among the arguments (positional or keyword, nested or not)
+    are passed to `tf.recompute_grad` positionally, so gradients reach all
+    of them; the other arguments (`training=True`, `use_causal_mask=True`)
+    are bound around it.
+    """
+
+    def call(*args, **kwargs):
+        flat = tf.nest.flatten((args, kwargs))
+        where = [i for i, value in enumerate(flat) if tf.is_tensor(value)]
+
+        def positional(*tensors):
+            values = list(flat)
+            for i, tensor in zip(where, tensors):
+                values[i] = tensor
+            inner_args, inner_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
+            return f(*inner_args, **inner_kwargs)
+
+        return tf.recompute_grad(positional)(*(flat[i] for i in where))
+
+    return call
+
+
+def _install_keyword_fix():
+    """Keras's TensorFlow remat becomes `recompute_grad` above (idempotent)."""
+    from keras.src.backend.tensorflow import core
+
+    core.remat = recompute_grad
