@@ -10,7 +10,7 @@ Modes (`MODES`):
 * "none": every activation is kept (Keras's default).
 * "full": every layer of the model is recomputed in the backward pass.
 * "larger_than": only layers whose output has more than
-  `output_size_threshold` elements per item (Keras's 1024) are.
+  `output_size_threshold` elements per item (Keras's default, 1024) are.
 
 `rematerialize(model, mode)` gives each layer of a built model the mode
 `keras.RematScope(mode)` would have given it at construction, so a model
@@ -46,6 +46,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import keras
 import tensorflow as tf
 
@@ -63,26 +65,43 @@ def rematerialize(model: keras.Model, mode: str, output_size_threshold: int = 10
     """Sets the rematerialization mode of every layer of `model`; returns it.
 
     Args:
-        model: a Keras model (built or not); its own call is not wrapped.
+        model: a Keras model; its own call is not wrapped.
         mode: one of `MODES`; "none" removes any mode set before.
         output_size_threshold: elements per item above which "larger_than"
-            recomputes a layer's output.
+            recomputes a layer. Decided here from each layer's output shape
+            in the model's graph (a layer without one, e.g. in a subclassed
+            model, counts as large): Keras's own "larger_than" asks each
+            layer for its output spec on every call, which fails for some
+            layers on graph tensors.
     """
     check_mode(mode)
-    setting = None
+    full = None
     if mode != "none":
         _install_keyword_fix()
-        setting = _remat_mode(mode, output_size_threshold)
+        full = _remat_mode("full")
     for layer in _layers(model):
-        layer._remat_mode = setting
+        large = mode == "full" or _output_size(layer) > output_size_threshold
+        layer._remat_mode = full if large else None
     return model
 
 
 def mode_of(model: keras.Model) -> str:
-    """The mode `rematerialize` set on `model` ("none" if it set none)."""
-    modes = {getattr(layer, "_remat_mode", None) for layer in _layers(model)}
-    modes = {m.mode for m in modes if m is not None}
-    return modes.pop() if len(modes) == 1 else "none"
+    """The mode of `model`'s layers: "none" (none wrapped), "full" (every
+    layer `rematerialize` wraps) or "larger_than" (some)."""
+    wrapped = [layer._remat_mode is not None for layer in _layers(model)]
+    if not any(wrapped):
+        return "none"
+    return "full" if all(wrapped) else "larger_than"
+
+
+def _output_size(layer):
+    """Elements per item of `layer`'s output in the model's graph (inf if
+    it has no single known output)."""
+    try:
+        outputs = keras.tree.flatten(layer.output)
+    except (AttributeError, ValueError):
+        return math.inf
+    return sum(math.prod(d or 1 for d in x.shape[1:]) for x in outputs)
 
 
 def _layers(model):
@@ -90,15 +109,15 @@ def _layers(model):
     for layer in model.layers:
         if isinstance(layer, keras.Model):
             yield from _layers(layer)
-        elif not isinstance(layer, keras.layers.Embedding):
+        elif not isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer)):
             yield layer
 
 
-def _remat_mode(mode, output_size_threshold):
+def _remat_mode(mode):
     """The RematMode Keras gives a layer built inside `RematScope(mode)`."""
     from keras.src.backend.common.remat import get_current_remat_mode
 
-    with keras.RematScope(mode=mode, output_size_threshold=output_size_threshold):
+    with keras.RematScope(mode=mode):
         return get_current_remat_mode()
 
 
