@@ -68,6 +68,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import base
+from keras_accum import remat as remat_lib
 from keras_accum.training import checkpoints
 from keras_accum.training.distribute import data_sharded, is_chief
 from keras_accum.training.losses import _per_item, _resolve_loss, _resolve_metrics
@@ -102,6 +103,11 @@ class Trainer:
         metrics: names ("accuracy", "mae", ...) or per-item functions; each
             is logged as its sample-weighted mean over the window.
         last_batch: "weighted" or "drop", see the module docstring.
+        remat: rematerialization of `model`'s layers, one of
+            `keras_accum.remat.MODES`: "none" leaves the model as it is
+            (also one built under `keras.RematScope`); any other mode is
+            set on the model by `keras_accum.remat.rematerialize` before the
+            steps are traced. Weights and checkpoints are unchanged.
 
     Compiled functions (`tf.function`, traced once), each taking an iterator
     over `distribute(dataset)` and returning a dict of scalar logs:
@@ -128,6 +134,7 @@ class Trainer:
         strategy: tf.distribute.Strategy | None = None,
         metrics: Sequence[Any] = (),
         last_batch: str = "weighted",
+        remat: str = "none",
     ):
         self.strategy = strategy or tf.distribute.get_strategy()
         if last_batch not in LAST_BATCH_POLICIES:
@@ -136,6 +143,8 @@ class Trainer:
                 f"Received: last_batch={last_batch!r}"
             )
         self.last_batch = last_batch
+        if remat_lib.check_mode(remat) != "none":
+            remat_lib.rematerialize(model, remat)
         self._check_scope(model, optimizer)
         self.model, self.optimizer = model, optimizer
         self.steps = window_steps(optimizer)
