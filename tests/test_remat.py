@@ -184,3 +184,30 @@ def test_memory_probe_measures_less_with_remat():
     plain = fit_memory.measure(config, 256, "none")["peak_mb"]
     rematerialized = fit_memory.measure(config, 256, "full")["peak_mb"]
     assert rematerialized < 0.8 * plain, (plain, rematerialized)
+
+
+def test_plan_takes_the_largest_measured_micro_batch_that_fits(monkeypatch):
+    # The search, with a stand-in for the measured step: 10 MB + 1 MB per
+    # item without remat, 10 MB + 0.25 MB per item with it.
+    calls = []
+
+    def measure(config, micro_batch, mode):
+        calls.append((micro_batch, mode))
+        return {"peak_mb": 10 + micro_batch * (1 if mode == "none" else 0.25)}
+
+    monkeypatch.setattr(fit_memory, "measure", measure)
+    plan = fit_memory.plan({}, budget_mb=30, batch=96, report=lambda line: None)
+    assert plan["none"]["micro_batch"] == 16 and plan["none"]["steps"] == 6
+    assert plan["full"]["micro_batch"] == 32 and plan["full"]["steps"] == 3
+    assert plan["full"]["tried"] == {1: 10.25, 2: 10.5, 4: 11, 8: 12, 16: 14, 32: 18, 96: 34}
+    assert (64, "full") not in calls  # Only divisors of the batch.
+    tight = fit_memory.plan({}, budget_mb=10.5, batch=8, report=lambda line: None)
+    assert tight["none"] == {
+        "micro_batch_1_mb": 11,
+        "fits": False,
+        "micro_batch": None,
+        "steps": None,
+        "peak_mb": None,
+        "tried": {1: 11},
+    }
+    assert tight["full"]["micro_batch"] == 2 and tight["full"]["steps"] == 4
