@@ -22,7 +22,9 @@ the per-layer recomputation); a nested model counts as its layers. An
 `Embedding` is never wrapped: its gradient is sparse (`tf.IndexedSlices`,
 one row per token seen), `tf.recompute_grad` would return it dense (every
 row, and Adam would then move rows no token touched), and a lookup keeps
-nothing that recomputing it would free.
+nothing that recomputing it would free. Nor is a layer that draws random
+numbers (Dropout with rate > 0, or a layer holding one): its recomputation
+would draw new ones.
 
 On the TensorFlow backend Keras's remat is `tf.recompute_grad`, which in a
 `tf.function` refuses keyword arguments, and Keras calls every layer with
@@ -110,7 +112,15 @@ def _layers(model):
         if isinstance(layer, keras.Model):
             yield from _layers(layer)
         elif not isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer)):
-            yield layer
+            if not _draws_random_numbers(layer):
+                yield layer
+
+
+def _draws_random_numbers(layer):
+    """True if `layer` or a layer inside it holds a SeedGenerator (Dropout
+    with rate > 0, GaussianNoise, ...): a recomputation would draw new
+    numbers, and the gradient would not be that of the forward pass."""
+    return any(getattr(inner, "_seed_generators", None) for inner in layer._flatten_layers())
 
 
 def _remat_mode(mode):
@@ -127,19 +137,28 @@ def recompute_grad(f):
     The tensors among the arguments (positional or keyword, nested or not)
     are passed to `tf.recompute_grad` positionally, so gradients reach all
     of them; the other arguments (`training=True`, `use_causal_mask=True`)
-    are bound around it.
+    are bound around it; the recomputation runs in the mixed-precision
+    autocast scope of the call.
     """
+
+    from keras.src.backend import AutocastScope, get_autocast_scope
 
     def call(*args, **kwargs):
         flat = tf.nest.flatten((args, kwargs))
         where = [i for i, value in enumerate(flat) if tf.is_tensor(value)]
+        # Mixed precision: the layer's call casts its variables in the scope
+        # its __call__ opened; the backward pass recomputes outside it.
+        autocast = get_autocast_scope()
 
         def positional(*tensors):
             values = list(flat)
             for i, tensor in zip(where, tensors):
                 values[i] = tensor
             inner_args, inner_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
-            return f(*inner_args, **inner_kwargs)
+            if autocast is None:
+                return f(*inner_args, **inner_kwargs)
+            with AutocastScope(autocast.dtype):
+                return f(*inner_args, **inner_kwargs)
 
         return tf.recompute_grad(positional)(*(flat[i] for i in where))
 

@@ -46,10 +46,11 @@ def data(builder, items=16):
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def fit_weights(builder, mode, jit_compile=False):
+def fit_weights(builder, mode, jit_compile=False, optimizer=None):
     keras.utils.set_random_seed(0)
     model = remat.rematerialize(builder(), mode)
-    model.compile(ka.InvariantAdam(1e-3, steps=2), LOSS, jit_compile=jit_compile)
+    optimizer = optimizer or ka.InvariantAdam(1e-3, steps=2)
+    model.compile(optimizer, LOSS, jit_compile=jit_compile)
     x, y = data(builder)
     model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)  # 4 windows
     return model.get_weights()
@@ -69,6 +70,46 @@ def test_fit_same_weights(builder, mode):
 
 def test_fit_same_weights_under_xla():
     assert_same(fit_weights(lm, "none", True), fit_weights(lm, "full", True))
+
+
+def test_mixed_precision_recomputes_in_float16():
+    # The recomputation casts the variables as the layer's call did (it
+    # failed with a float16/float32 MatMul before). Float16 activations:
+    # float16 rounding, which Adam would blow up to its step size on the
+    # attention's key bias (zero gradient in exact arithmetic): SGD.
+    def sgd():
+        return ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=2)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain = fit_weights(lm, "none", optimizer=sgd())
+        rematerialized = fit_weights(lm, "full", optimizer=sgd())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for p, q in zip(plain, rematerialized):
+        np.testing.assert_allclose(p, q, rtol=0, atol=1e-3)
+
+
+def test_dropout_is_left_alone_and_trains_the_same():
+    def with_dropout():
+        inputs = keras.Input((40,))
+        x = keras.layers.Dense(64, activation="gelu")(inputs)
+        x = keras.layers.Dropout(0.5)(x)
+        return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+    model = remat.rematerialize(with_dropout(), "full")
+    modes = {type(layer).__name__: layer._remat_mode for layer in model.layers}
+    assert modes["Dropout"] is None and modes["Dense"] is not None
+    x, y = data(cnn)
+
+    def trained(mode):
+        keras.utils.set_random_seed(0)
+        model = remat.rematerialize(with_dropout(), mode)
+        model.compile(ka.InvariantAdam(1e-3, steps=2), LOSS)
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    assert_same(trained("none"), trained("full"))
 
 
 def loop_weights(builder, mode, strategy):
