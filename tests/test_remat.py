@@ -46,11 +46,12 @@ def data(builder, items=16):
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def fit_weights(builder, mode, jit_compile=False, optimizer=None):
+def fit_weights(builder, mode, jit_compile=False, optimizer=None, strategy=None):
     keras.utils.set_random_seed(0)
-    model = remat.rematerialize(builder(), mode)
-    optimizer = optimizer or ka.InvariantAdam(1e-3, steps=2)
-    model.compile(optimizer, LOSS, jit_compile=jit_compile)
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = remat.rematerialize(builder(), mode)
+        optimizer = optimizer or ka.InvariantAdam(1e-3, steps=2)
+        model.compile(optimizer, LOSS, jit_compile=jit_compile)
     x, y = data(builder)
     model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)  # 4 windows
     return model.get_weights()
@@ -70,6 +71,12 @@ def test_fit_same_weights(builder, mode):
 
 def test_fit_same_weights_under_xla():
     assert_same(fit_weights(lm, "none", True), fit_weights(lm, "full", True))
+
+
+def test_fit_under_mirrored_same_weights():
+    strategy = mirrored_strategy()
+    plain = fit_weights(lm, "none", strategy=strategy)
+    assert_same(plain, fit_weights(lm, "full", strategy=strategy))
 
 
 def test_mixed_precision_recomputes_in_float16():

@@ -196,7 +196,8 @@ def train_and_evaluate(config, workdir, resume=False):
 
 def _peak_memory(verbose):
     """The allocator's peak over this session's training and evaluation, in
-    MB (None unless it reports one: a GPU, or TF_CPU_ALLOCATOR_USE_BFC=true,
+    MB: weights, optimizer state, data buffers and the step's activations
+    (None unless it reports one: a GPU, or TF_CPU_ALLOCATOR_USE_BFC=true,
     which scripts/train.py sets); printed when `verbose`."""
     peak = fit_memory.peak_tensor_mb()
     if verbose and peak is not None:
