@@ -13,6 +13,9 @@ of micro-batches per update. `steps` may also be a schedule
 (`PiecewiseSteps`, `AdaptiveSteps`) that changes the window size during a
 run; `InvariantAdam(scaling_rule=...)` then rescales its hyperparameters
 per window.
+
+`rematerialize(model, "full")` recomputes the model's layers in the backward
+pass: less activation memory when one micro-batch does not fit.
 """
 
 import os as _os
@@ -21,6 +24,7 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402
 from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
+from keras_accum.remat import rematerialize  # noqa: E402
 from keras_accum.scaling import scale_hyperparameters  # noqa: E402
 from keras_accum.schedules import AdaptiveSteps, PiecewiseSteps  # noqa: E402
 from keras_accum.update_accumulation_adam import (  # noqa: E402
@@ -35,6 +39,7 @@ __all__ = [
     "InvariantAdam",
     "PiecewiseSteps",
     "UpdateAccumulationAdam",
+    "rematerialize",
     "scale_hyperparameters",
     "weigh_micro_batches",
 ]

@@ -19,6 +19,9 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's BFC allocator on the CPU reports its peak: final.json records
+# the run's peak tensor memory (the GPU's allocator always reports it).
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 # Use the package of this checkout, whatever else is installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 

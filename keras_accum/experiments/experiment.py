@@ -41,8 +41,8 @@ import numpy as np
 import tensorflow as tf
 
 import keras_accum as ka
-from keras_accum import diagnostics, nonfinite, training
-from keras_accum.experiments import data, models, optimizers, run_config, run_folder
+from keras_accum import diagnostics, nonfinite, remat, training
+from keras_accum.experiments import data, fit_memory, models, optimizers, run_config, run_folder
 from keras_accum.experiments.callbacks import AccumulationLogger, CSVLogger, SplitLabels
 from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config API)
     DEFAULTS,
@@ -148,7 +148,7 @@ def train_and_evaluate(config, workdir, resume=False):
         if point is not None:
             if training.is_chief(strategy):
                 print(f"Resuming from {point.path} ({point.epoch} epochs done)", flush=True)
-            model = fit.load_resume(point)
+            model = remat.rematerialize(fit.load_resume(point), config["remat"])
         else:
             model = _build_model(config, info, kappa, config["epochs"] * windows_per_epoch)
     if config["strategy"] == "multi_worker":
@@ -171,6 +171,7 @@ def train_and_evaluate(config, workdir, resume=False):
     if verbose == 1 and not sys.stdout.isatty():
         verbose = 2  # one line per epoch in logs instead of redrawn bars
     start = time.time()
+    fit_memory.reset_peak()
     if initial_epoch < config["epochs"]:
         with nonfinite.explained():  # nonfinite="raise": one line
             model.fit(
@@ -192,10 +193,22 @@ def train_and_evaluate(config, workdir, resume=False):
         "kappa": kappa,
         "updates": int(np.asarray(model.optimizer.iterations)),
         "train_seconds_this_session": round(time.time() - start, 1),
+        "peak_tensor_memory_mb": _peak_memory(verbose),
     }
     atomic.atomic_write_text(str(workdir / "final.json"), json.dumps(final, indent=2))
     plot_run_curves(workdir / "metrics.csv", workdir / "curves.png")
     return final
+
+
+def _peak_memory(verbose):
+    """The allocator's peak over this session's training and evaluation, in
+    MB: weights, optimizer state, data buffers and the step's activations
+    (None unless it reports one: a GPU, or TF_CPU_ALLOCATOR_USE_BFC=true,
+    which scripts/train.py sets); printed when `verbose`."""
+    peak = fit_memory.peak_tensor_mb()
+    if verbose and peak is not None:
+        print(f"Peak tensor memory: {peak:.1f} MB", flush=True)
+    return peak
 
 
 def _resumable(callbacks, workdir, point, resume):
@@ -250,6 +263,7 @@ def _build_model(config, info, kappa, total_updates):
     if info.vocab_size is not None:
         model_kwargs.setdefault("vocab_size", info.vocab_size)
     model = models.build_model(config["model"], info.input_shape, info.num_classes, **model_kwargs)
+    remat.rematerialize(model, config["remat"])
     model.compile(
         optimizer=make_optimizer(config, kappa, total_updates),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -320,6 +334,7 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
     )
     test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
     start = time.time()
+    fit_memory.reset_peak()
     resume_hint = f"python scripts/train.py --workdir {workdir} --resume"
     with training.distribute.peer_errors(resume_hint):
         history, evaluation = _loop_and_evaluate(
@@ -332,6 +347,7 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
         "kappa": kappa,
         "updates": int(np.asarray(model.optimizer.iterations)),
         "train_seconds_this_session": round(time.time() - start, 1),
+        "peak_tensor_memory_mb": _peak_memory(config["verbose"] and training.is_chief(strategy)),
     }
     if training.is_chief(strategy):
         _write_metrics(workdir / "metrics.csv", history)
@@ -354,6 +370,7 @@ def _loop_and_evaluate(config, workdir, strategy, model, train, test, held_out):
         eval_dataset=_validation_split(config, held_out) if held_out else test,
         resume_hint=f"python scripts/train.py --workdir {workdir} --resume",
         verbose=1 if config["verbose"] else 0,
+        remat=config["remat"],
     )
     if not held_out:  # The loop says val_*; it was the test split.
         history = {("test_" + k[4:] if k.startswith("val_") else k): v for k, v in history.items()}

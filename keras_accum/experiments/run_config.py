@@ -105,6 +105,14 @@ FIELDS = [
     F("strategy", "str", "default", "tf.distribute strategy", choices=STRATEGIES),
     F("mixed_precision", "bool", False, "mixed_float16 policy"),
     F("jit_compile", "bool", False, "Compile the step with XLA"),
+    # keras_accum.remat: less activation memory for about one more forward pass.
+    F(
+        "remat",
+        "str",
+        "none",
+        "Recompute the model's layers in the backward pass",
+        choices=ka.remat.MODES,
+    ),
     F("noise_scale_every", "int", 0, "Batches between noise-scale probes (0: off)", minimum=0),
     F("verbose", "int", 1, "Keras verbosity", choices=(0, 1, 2)),
 ]
@@ -228,7 +236,8 @@ def resume_config(config, workdir):
             f"--workdir {workdir}) starts the run again."
         ) from None
     if started and original_path.is_file():
-        original = cfg.load_json(original_path)
+        # Resolved too: a key added since the run started takes its default.
+        original = resolve_config(cfg.load_json(original_path))
         changed = SCHEMA.diff(saved, original)
         if changed:
             raise cfg.ConfigError(

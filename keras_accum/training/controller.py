@@ -304,6 +304,7 @@ def train(
     callbacks: Sequence[Callable[[dict], None]] = (),
     verbose: int = 1,
     resume_hint: str | None = None,
+    remat: str = "none",
 ) -> dict[str, list[float]]:
     """Trains `model` for `epochs` passes over `dataset`; one update per batch.
 
@@ -346,6 +347,11 @@ def train(
         verbose: 1 for a progress bar on the chief, 0 for none.
         resume_hint: how to resume (e.g. the command), added to the
             `WorkerLostError` a lost peer raises.
+        remat: "none", "full" or "larger_than": recompute `model`'s layers
+            in the backward pass (`keras_accum.remat.rematerialize`, set on
+            the model already built, before its step is traced): less
+            activation memory for about one more forward pass. The weights,
+            checkpoints and resume are those of the run without it.
 
     Returns:
         A dict name -> list of per-epoch means (over all the windows of that
@@ -357,7 +363,13 @@ def train(
         optimizer, dataset, strategy, epochs, steps, micro_batch_size, checkpoint_every, verbose
     )
     trainer = Trainer(
-        model, optimizer, loss_fn, strategy=strategy, metrics=metrics, last_batch=last_batch
+        model,
+        optimizer,
+        loss_fn,
+        strategy=strategy,
+        metrics=metrics,
+        last_batch=last_batch,
+        remat=remat,
     )
     controller = Controller(
         trainer,
@@ -377,6 +389,7 @@ def train(
             micro_batch_size=micro,
             global_batch_size=global_batch,
             last_batch=last_batch,
+            remat=remat,
             replicas=strategy.num_replicas_in_sync,
             strategy=type(strategy).__name__,
             checkpoint_every=checkpoint_every,

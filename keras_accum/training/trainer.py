@@ -69,6 +69,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import base
+from keras_accum import remat as remat_lib
 from keras_accum.training import checkpoints
 from keras_accum.training.distribute import data_sharded, is_chief
 from keras_accum.training.losses import resolve_loss, resolve_metrics, weighted
@@ -103,6 +104,11 @@ class Trainer:
         metrics: names ("accuracy", "mae", ...) or per-item functions; each
             is logged as its sample-weighted mean over the window.
         last_batch: "weighted" or "drop", see the module docstring.
+        remat: rematerialization of `model`'s layers, one of
+            `keras_accum.remat.MODES`: "none" leaves the model as it is
+            (also one built under `keras.RematScope`); any other mode is
+            set on the model by `keras_accum.remat.rematerialize` before the
+            steps are traced. Weights and checkpoints are unchanged.
 
     Compiled functions (`tf.function`, traced once), each taking an iterator
     over `distribute(dataset)` and returning a dict of scalar logs:
@@ -129,6 +135,7 @@ class Trainer:
         strategy: tf.distribute.Strategy | None = None,
         metrics: Sequence[Any] = (),
         last_batch: str = "weighted",
+        remat: str = "none",
     ):
         self.strategy = strategy or tf.distribute.get_strategy()
         if last_batch not in LAST_BATCH_POLICIES:
@@ -137,6 +144,8 @@ class Trainer:
                 f"Received: last_batch={last_batch!r}"
             )
         self.last_batch = last_batch
+        if remat_lib.check_mode(remat) != "none":
+            remat_lib.rematerialize(model, remat)
         self._check_scope(model, optimizer)
         self.model, self.optimizer = model, optimizer
         self.steps = steps_per_update(optimizer)

@@ -1,0 +1,261 @@
+"""Rematerialization (`keras_accum.remat`): the same weights with and
+without it (model.fit, the custom loop, MirroredStrategy), the run's files
+unchanged, a bad mode refused in one line, and the memory probe measuring
+a lower peak with it.
+
+Tolerance: recomputed activations are the same float32 ops, but the
+backward pass sums in another order; after a few Adam updates the weights
+agree to about 1e-6 (a parameter whose gradient is zero in exact
+arithmetic, the attention's key bias, moves by Adam's normalised rounding
+noise), so atol=1e-5.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import mirrored_strategy
+
+import keras_accum as ka
+from keras_accum import remat, training
+from keras_accum.experiments import charlm, experiment, fit_memory, models
+from keras_accum.experiments import config as cfg
+
+ATOL = 1e-5
+MODES = ("full", "larger_than")
+
+
+def cnn():
+    return models.cnn((40,), 10)
+
+
+def lm():
+    return charlm.build_lm(seq_len=32)
+
+
+def data(builder, items=16):
+    rng = np.random.default_rng(0)
+    if builder is cnn:
+        return rng.normal(size=(items, 40)).astype("float32"), rng.integers(0, 10, items)
+    x = rng.integers(0, charlm.VOCAB_SIZE, (items, 32)).astype("int32")
+    return x, rng.integers(0, charlm.VOCAB_SIZE, (items, 32)).astype("int32")
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def fit_weights(builder, mode, jit_compile=False, optimizer=None, strategy=None):
+    keras.utils.set_random_seed(0)
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = remat.rematerialize(builder(), mode)
+        optimizer = optimizer or ka.InvariantAdam(1e-3, steps=2)
+        model.compile(optimizer, LOSS, jit_compile=jit_compile)
+    x, y = data(builder)
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)  # 4 windows
+    return model.get_weights()
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for p, q in zip(a, b):
+        np.testing.assert_allclose(p, q, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("builder", [cnn, lm], ids=["cnn", "lm"])
+def test_fit_same_weights(builder, mode):
+    assert_same(fit_weights(builder, "none"), fit_weights(builder, mode))
+
+
+def test_fit_same_weights_under_xla():
+    assert_same(fit_weights(lm, "none", True), fit_weights(lm, "full", True))
+
+
+def test_fit_under_mirrored_same_weights():
+    strategy = mirrored_strategy()
+    plain = fit_weights(lm, "none", strategy=strategy)
+    assert_same(plain, fit_weights(lm, "full", strategy=strategy))
+
+
+def test_mixed_precision_recomputes_in_float16():
+    # The recomputation casts the variables as the layer's call did (it
+    # failed with a float16/float32 MatMul before). Float16 activations:
+    # float16 rounding, which Adam would blow up to its step size on the
+    # attention's key bias (zero gradient in exact arithmetic): SGD.
+    def sgd():
+        return ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=2)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain = fit_weights(lm, "none", optimizer=sgd())
+        rematerialized = fit_weights(lm, "full", optimizer=sgd())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for p, q in zip(plain, rematerialized):
+        np.testing.assert_allclose(p, q, rtol=0, atol=1e-3)
+
+
+def test_dropout_is_left_alone_and_trains_the_same():
+    def with_dropout():
+        inputs = keras.Input((40,))
+        x = keras.layers.Dense(64, activation="gelu")(inputs)
+        x = keras.layers.Dropout(0.5)(x)
+        return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+    model = remat.rematerialize(with_dropout(), "full")
+    modes = {type(layer).__name__: layer._remat_mode for layer in model.layers}
+    assert modes["Dropout"] is None and modes["Dense"] is not None
+    x, y = data(cnn)
+
+    def trained(mode):
+        keras.utils.set_random_seed(0)
+        model = remat.rematerialize(with_dropout(), mode)
+        model.compile(ka.InvariantAdam(1e-3, steps=2), LOSS)
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    assert_same(trained("none"), trained("full"))
+
+
+def loop_weights(builder, mode, strategy):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = builder()
+        optimizer = ka.GradientAccumulation(keras.optimizers.Adam(1e-3), steps=2)
+    x, y = data(builder)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # 2 windows
+    training.train(
+        model, optimizer, LOSS, dataset, epochs=2, strategy=strategy, verbose=0, remat=mode
+    )
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("builder", [cnn, lm], ids=["cnn", "lm"])
+def test_custom_loop_same_weights(builder):
+    strategy = tf.distribute.get_strategy()
+    assert_same(loop_weights(builder, "none", strategy), loop_weights(builder, "full", strategy))
+
+
+def test_mirrored_same_weights():
+    strategy = mirrored_strategy()
+    assert_same(loop_weights(lm, "none", strategy), loop_weights(lm, "full", strategy))
+
+
+def test_modes_set_per_layer():
+    model = remat.rematerialize(lm(), "full")
+    assert model._remat_mode is None  # The outermost model is not wrapped.
+    for layer in model.layers:
+        left = isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer))
+        assert (layer._remat_mode is None) == left
+    threshold = 32 * 32  # The LM's residual stream: 32 positions x 32.
+    model = remat.rematerialize(lm(), "larger_than", output_size_threshold=threshold)
+    wrapped = {layer.name for layer in model.layers if layer._remat_mode is not None}
+    large = {
+        layer.name
+        for layer in model.layers
+        if remat._output_size(layer) > threshold
+        and not isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer))
+    }
+    # Only the MLP's hidden layers (32 x 64) are above it.
+    hidden = {layer.name for layer in model.layers if getattr(layer, "units", 0) == 64}
+    assert wrapped == large == hidden and len(hidden) == 2
+    assert remat.mode_of(model) == "larger_than"
+    assert remat.mode_of(remat.rematerialize(model, "none")) == "none"
+
+
+def test_saved_model_is_the_same_model(tmp_path):
+    model = remat.rematerialize(lm(), "full")
+    model.compile(ka.InvariantAdam(steps=2), LOSS)
+    x, y = data(lm)
+    model.fit(x, y, batch_size=4, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert [v.path for v in loaded.weights] == [v.path for v in model.weights]
+    assert_same(loaded.get_weights(), model.get_weights())
+    assert all(layer._remat_mode is None for layer in loaded.layers)  # Not a format change.
+
+
+BAD = "`remat` must be one of 'none', 'full', 'larger_than'. Received: remat='ful'"
+
+
+def test_bad_mode_is_one_line():
+    with pytest.raises(ValueError) as error:
+        remat.rematerialize(cnn(), "ful")
+    assert str(error.value) == BAD
+    with pytest.raises(ValueError) as error:
+        training.Trainer(cnn(), ka.InvariantAdam(steps=2), LOSS, remat="ful")
+    assert str(error.value) == BAD
+    with pytest.raises(cfg.ConfigError) as error:
+        experiment.resolve_config({"remat": "ful"})
+    assert str(error.value) == BAD
+
+
+def test_run_records_remat_and_peak_memory(tmp_path):
+    # The run's own files: config.json has the mode; final.json the peak
+    # (None here: this process's CPU allocator is not BFC) and the same
+    # results as the run without remat.
+    config = {
+        "dataset": "synthetic_tokens",
+        "model": "transformer",
+        "micro_batch_size": 16,
+        "steps": 2,
+        "epochs": 1,
+        "verbose": 0,
+    }
+    plain = experiment.train_and_evaluate(config, tmp_path / "plain")
+    final = experiment.train_and_evaluate({**config, "remat": "full"}, tmp_path / "remat")
+    assert json.loads((tmp_path / "remat" / "config.json").read_text())["remat"] == "full"
+    assert "peak_tensor_memory_mb" in json.loads((tmp_path / "remat" / "final.json").read_text())
+    assert final["test_loss"] == pytest.approx(plain["test_loss"], abs=ATOL)
+    # Resuming loads the checkpoint and rematerializes it again; a folder
+    # from before the `remat` key resumes too (the key takes its default).
+    resumed = experiment.train_and_evaluate(None, tmp_path / "remat", resume=True)
+    assert resumed["test_loss"] == pytest.approx(final["test_loss"], abs=ATOL)
+    for path in (tmp_path / "plain").glob("**/config.json"):
+        old = json.loads(path.read_text())
+        del old["remat"]
+        path.write_text(json.dumps(old))
+    resumed = experiment.train_and_evaluate(None, tmp_path / "plain", resume=True)
+    assert resumed["test_loss"] == pytest.approx(plain["test_loss"], abs=ATOL)
+
+
+def test_memory_probe_measures_less_with_remat():
+    # A transformer whose activations dwarf its weights (micro-batch 256 of
+    # 32 tokens, a 512-wide MLP): each measured in a fresh BFC process.
+    config = {
+        "dataset": "synthetic_tokens",
+        "model": "transformer",
+        "model_kwargs": {"dim": 64, "mlp_dim": 512},
+    }
+    plain = fit_memory.measure(config, 256, "none")["peak_mb"]
+    rematerialized = fit_memory.measure(config, 256, "full")["peak_mb"]
+    assert rematerialized < 0.8 * plain, (plain, rematerialized)
+
+
+def test_plan_takes_the_largest_measured_micro_batch_that_fits(monkeypatch):
+    # The search, with a stand-in for the measured step: 10 MB + 1 MB per
+    # item without remat, 10 MB + 0.25 MB per item with it.
+    calls = []
+
+    def measure(config, micro_batch, mode):
+        calls.append((micro_batch, mode))
+        return {"peak_mb": 10 + micro_batch * (1 if mode == "none" else 0.25)}
+
+    monkeypatch.setattr(fit_memory, "measure", measure)
+    plan = fit_memory.plan({}, budget_mb=30, batch=96, report=lambda line: None)
+    assert plan["none"]["micro_batch"] == 16 and plan["none"]["steps"] == 6
+    assert plan["full"]["micro_batch"] == 32 and plan["full"]["steps"] == 3
+    assert plan["full"]["tried"] == {1: 10.25, 2: 10.5, 4: 11, 8: 12, 16: 14, 32: 18, 96: 34}
+    assert (64, "full") not in calls  # Only divisors of the batch.
+    tight = fit_memory.plan({}, budget_mb=10.5, batch=8, report=lambda line: None)
+    assert tight["none"] == {
+        "micro_batch_1_mb": 11,
+        "fits": False,
+        "micro_batch": None,
+        "steps": None,
+        "peak_mb": None,
+        "tried": {1: 11},
+    }
+    assert tight["full"]["micro_batch"] == 2 and tight["full"]["steps"] == 4
