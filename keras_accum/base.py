@@ -170,9 +170,9 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
             trainable_variables: the variables; required on the first call.
             weight: optional number of items (or tokens) in the global
                 micro-batch these gradients average over, a number > 0 or a
-                scalar tensor. Only `GradientAccumulation` uses it: the window
+                scalar tensor. Only `GradientAccumulation` uses it (the window
                 mean is then weighted by item counts, exact for unequal
-                micro-batches.
+                micro-batches); the Adam variants refuse it.
         """
         if trainable_variables is None:
             if not self.built:
@@ -190,6 +190,8 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
             )
         if not self.takes_weights:
             self._refuse_weight(weight)
+        elif weight is None:  # `weigh_micro_batches` under model.fit
+            weight = weighing.pending_weight()
         weight = weighing.check_weight(weight)
         self._check_strategy()
         if not self.built:

@@ -1,6 +1,5 @@
 """Gradient accumulation around any Keras optimizer."""
 
-from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -168,16 +167,6 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def finalize_variable_values(self, var_list):
         self._warn_pending_window()
         self.inner_optimizer.finalize_variable_values(var_list)
-
-    def apply(
-        self,
-        grads: Sequence[Any],
-        trainable_variables: Sequence[Any] | None = None,
-        weight: Any = None,
-    ) -> None:
-        if weight is None:
-            weight = weighing.pending_weight()  # `weigh_micro_batches` under model.fit
-        super().apply(grads, trainable_variables, weight=weight)
 
     def _fold(self, grads, variables, weight, start):
         # Replica context, replica-local state only: no communication.

@@ -23,61 +23,13 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import nonfinite
-from keras_accum.training import atomic
+from keras_accum.training import atomic, checks
 from keras_accum.training import logs as run_logs
 from keras_accum.training.distribute import is_chief, peer_errors
-from keras_accum.training.trainer import Trainer, peek_batch_size, steps_per_update
-from keras_accum.validation import check_int
+from keras_accum.training.trainer import Trainer
 
 # Fields of a window's logs that are not TensorBoard scalars.
 NOT_SCALARS = ("time", "epoch", "batches", "batch_in_epoch")
-
-
-def _check_split(global_batch, replicas, opt_steps, steps, micro_batch_size):
-    """Validates `steps` / `micro_batch_size` against the batch and the
-    optimizer's window; returns the micro-batch size per replica."""
-    if steps is not None and micro_batch_size is not None:
-        raise ValueError(
-            "Give `steps` or `micro_batch_size`, not both (one follows from "
-            f"the other). Received: steps={steps!r}, "
-            f"micro_batch_size={micro_batch_size!r}"
-        )
-    if global_batch % replicas:
-        raise ValueError(
-            f"The global batch size {global_batch} (first batch of `dataset`) "
-            f"must be divisible by the {replicas} replicas in sync."
-        )
-    per_replica = global_batch // replicas
-    if steps is not None:
-        check_int("steps", steps)
-        if steps != opt_steps:
-            raise ValueError(
-                f"`steps` must equal the optimizer's window ({opt_steps} "
-                f"micro-batches per replica). Received: steps={steps!r}"
-            )
-    if micro_batch_size is not None:
-        check_int("micro_batch_size", micro_batch_size)
-        if per_replica % micro_batch_size:
-            raise ValueError(
-                "`micro_batch_size` must divide the per-replica batch size "
-                f"{per_replica} (global batch {global_batch} / {replicas} "
-                f"replicas). Received: micro_batch_size={micro_batch_size!r}"
-            )
-        if per_replica // micro_batch_size != opt_steps:
-            raise ValueError(
-                f"`micro_batch_size` gives {per_replica // micro_batch_size} "
-                f"micro-batches per replica, but the optimizer's window has "
-                f"steps={opt_steps}. Received: "
-                f"micro_batch_size={micro_batch_size!r}"
-            )
-    if per_replica % opt_steps:
-        raise ValueError(
-            f"The per-replica batch size {per_replica} (global batch "
-            f"{global_batch} / {replicas} replicas) is not divisible by the "
-            f"optimizer's steps={opt_steps}: micro-batches would differ in "
-            "size. Change the batch size or `steps`."
-        )
-    return per_replica // opt_steps
 
 
 class _Log:
@@ -258,32 +210,22 @@ class Controller:
             self.warned = True
 
     def write_config(self, **fields):
-        """config.json in the workdir (chief), written atomically."""
+        """config.json in the workdir (chief), written atomically: `fields`
+        and what the trainer holds (model, optimizer, metrics, position)."""
         if not (self.workdir and self.chief):
             return
+        trainer = self.trainer
+        fields.update(
+            replicas=trainer.strategy.num_replicas_in_sync,
+            optimizer=keras.optimizers.serialize(trainer.optimizer),
+            metrics=self.shown[1:],
+            model=trainer.model.name,
+            parameters=int(trainer.model.count_params()),
+            resumed_at_batch=int(trainer.batches.numpy()),
+        )
         os.makedirs(self.workdir, exist_ok=True)
         text = json.dumps(fields, indent=1, default=repr)
         atomic.atomic_write_text(os.path.join(self.workdir, "config.json"), text)
-
-
-def _check_run(optimizer, dataset, strategy, epochs, steps, micro_batch_size, every, verbose):
-    """`train`'s arguments checked before anything runs: (global batch size,
-    micro-batches per update, micro-batch size per replica)."""
-    check_int("epochs", epochs)
-    check_int("checkpoint_every", every)
-    if verbose not in (0, 1):
-        raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
-    global_batch = peek_batch_size(dataset)
-    opt_steps = steps_per_update(optimizer)
-    if opt_steps is None:
-        raise ValueError(
-            "`train` needs a constant `steps`; with a schedule drive "
-            "`Trainer.micro_batch_step` over a dataset of micro-batches. "
-            f"Received: steps={optimizer.steps!r}"
-        )
-    replicas = strategy.num_replicas_in_sync
-    micro = _check_split(global_batch, replicas, opt_steps, steps, micro_batch_size)
-    return global_batch, opt_steps, micro
 
 
 def train(
@@ -359,7 +301,7 @@ def train(
         chief of a resumed run it includes the epochs before the resume.
     """
     strategy = strategy or tf.distribute.get_strategy()
-    global_batch, opt_steps, micro = _check_run(
+    global_batch, opt_steps, micro = checks.check_run(
         optimizer, dataset, strategy, epochs, steps, micro_batch_size, checkpoint_every, verbose
     )
     trainer = Trainer(
@@ -383,21 +325,14 @@ def train(
     # can surface in any of them.
     with peer_errors(resume_hint):
         controller.resume()
+        split = {"steps": opt_steps, "micro_batch_size": micro, "global_batch_size": global_batch}
         controller.write_config(
             epochs=epochs,
-            steps=opt_steps,
-            micro_batch_size=micro,
-            global_batch_size=global_batch,
+            **split,
             last_batch=last_batch,
             remat=remat,
-            replicas=strategy.num_replicas_in_sync,
             strategy=type(strategy).__name__,
             checkpoint_every=checkpoint_every,
-            optimizer=keras.optimizers.serialize(optimizer),
             loss=getattr(loss_fn, "__name__", repr(loss_fn)),
-            metrics=controller.shown[1:],
-            model=model.name,
-            parameters=int(model.count_params()),
-            resumed_at_batch=int(trainer.batches.numpy()),
         )
         return controller.run(dataset, epochs, global_batch)

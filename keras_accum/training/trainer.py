@@ -70,22 +70,13 @@ import tensorflow as tf
 
 from keras_accum import base
 from keras_accum import remat as remat_lib
-from keras_accum.training import checkpoints
+from keras_accum.training import checkpoints, checks
+from keras_accum.training.checks import steps_per_update
 from keras_accum.training.distribute import data_sharded, is_chief
 from keras_accum.training.losses import resolve_loss, resolve_metrics, weighted
 from keras_accum.training.stream import batch_size, peek_batch_size, replay, split_batch
 
 LAST_BATCH_POLICIES = ("weighted", "drop")
-
-
-def steps_per_update(optimizer):
-    """Micro-batches per replica per update: a Keras optimizer updates on
-    every micro-batch, so it gets one micro-batch per global batch."""
-    if isinstance(optimizer, base.AccumulationOptimizer):
-        # None for a schedule (keras_accum.PiecewiseSteps, ...): windows of
-        # varying size are fed one micro-batch at a time (`micro_batch_step`).
-        return optimizer.steps if isinstance(optimizer.steps, int) else None
-    return 1
 
 
 class Trainer:
@@ -146,7 +137,7 @@ class Trainer:
         self.last_batch = last_batch
         if remat_lib.check_mode(remat) != "none":
             remat_lib.rematerialize(model, remat)
-        self._check_scope(model, optimizer)
+        checks.check_scope(self.strategy, model, optimizer)
         self.model, self.optimizer = model, optimizer
         self.steps = steps_per_update(optimizer)
         self._loss_fn = resolve_loss(loss_fn)
@@ -184,33 +175,6 @@ class Trainer:
         self.train_step = tf.function(lambda it: self._run(it, self.steps))
         self.micro_batch_step = tf.function(lambda it: self._run(it, 1))
         self._eval_step = tf.function(self._evaluate_batch)
-
-    def _check_scope(self, model, optimizer):
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise ValueError(
-                f"`optimizer` must be a keras Optimizer. Received: optimizer={optimizer!r}"
-            )
-        for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-            if opt is None or opt._distribution_strategy is self.strategy:
-                continue
-            raise ValueError(
-                "`optimizer` was created outside `strategy.scope()` (under "
-                f"{type(opt._distribution_strategy).__name__}, not "
-                f"strategy={type(self.strategy).__name__}); create and "
-                f"build it inside the scope. Received: optimizer={opt!r}"
-            )
-        if not model.built or not model.trainable_variables:
-            raise ValueError(
-                "`model` must be built (give it an `Input` or call it on a "
-                f"batch inside `strategy.scope()`). Received: model={model!r}"
-            )
-        for v in model.variables:
-            if not self.strategy.extended.variable_created_in_scope(getattr(v, "value", v)):
-                raise ValueError(
-                    f"`model` variable {v.path!r} was created outside "
-                    "`strategy.scope()`; create the model inside it. "
-                    f"Received: model={model!r}"
-                )
 
     def track(self, name, trackable):
         """Adds `trackable` (e.g. a controller's variable) to `checkpoint`."""
