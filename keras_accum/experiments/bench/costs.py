@@ -11,7 +11,7 @@ its output in full (graph mode, no fusion): add/sub/mul/div of two tensors
 12, of a tensor and a scalar 8, square/sqrt 8, assign 8,
 assign_add/assign_sub 12, the finiteness check (one reduce_sum read per
 gradient) 4. InvariantAdam's fold and UpdateAccumulationAdam's micro-step
-run in graph mode as one compiled kernel (`keras_accum/fused.py`) when
+run in graph mode as one compiled kernel (`keras_accum/folds.py`, `_execution.run`) when
 they span 65,536 parameters or more (the MLP; smaller folds run as
 TensorFlow ops): each operand read once, each result written once, as in
 "fused". Graph mode
