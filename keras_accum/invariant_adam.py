@@ -71,11 +71,17 @@ class InvariantAdam(AdamFamily):
         lr_k = kappa_k * lr
         1 - beta_i,k = kappa_k * (1 - beta_i)   ("invariant")
         beta_i,k = beta_i ** kappa_k            ("power")
+        beta_1,k = beta_1, beta_2,k = beta_2 ** kappa_k   ("fixed_beta_1")
         P_i = prod over windows so far of beta_i,k   (state, checkpointed)
         alpha_k = lr_k * sqrt(1 - P_2) / (1 - P_1)
+        rho_k = ema_momentum ** kappa_k         (with `use_ema=True`)
+        theta = theta * (1 - lr_k * weight_decay)   (decoupled decay)
 
-    (epsilon unchanged). With a constant kappa P_i = beta_i,k ** k, i.e.
-    `InvariantAdam(**scale_hyperparameters(kappa, rule, ...))`; after a
+    (epsilon unchanged). The weight decay per window is kappa_k times that
+    of one micro-batch (to first order in lr * weight_decay), the same per
+    example, under every rule. With a constant kappa P_i = beta_i,k ** k,
+    i.e. `InvariantAdam(**scale_hyperparameters(kappa, rule, ...))` with
+    `ema_momentum=ema_momentum ** kappa`; after a
     switch, P keeps the betas the earlier windows really used. A
     learning-rate schedule is then evaluated at the number of micro-batches
     consumed over all replicas before the window, so one written for
@@ -89,7 +95,7 @@ class InvariantAdam(AdamFamily):
         steps: micro-batches per update on each replica: an integer >= 1 or
             a schedule (`keras_accum.PiecewiseSteps`, `AdaptiveSteps`).
         scaling_rule: None (the hyperparameters are used as given, whatever
-            kappa), "invariant" or "power" (see above).
+            kappa), "invariant", "power" or "fixed_beta_1" (see above).
         nonfinite: `"skip_micro_batch"`, `"raise"` or None.
         weight_decay: optional decoupled weight decay.
         name: optimizer name.
@@ -264,10 +270,11 @@ class InvariantAdam(AdamFamily):
         if not isinstance(steps, int):
             steps = tf.cast(steps, "float32")
         kappa = steps * replicas
+        form_1, form_2 = scaling.BETA_FORMS[self.scaling_rule]
         return (
             steps,
-            scaling.one_minus_beta(self.beta_1, kappa, self.scaling_rule),
-            scaling.one_minus_beta(self.beta_2, kappa, self.scaling_rule),
+            scaling.one_minus_beta(self.beta_1, kappa, form_1),
+            scaling.one_minus_beta(self.beta_2, kappa, form_2),
         )
 
     def _scaled_rate(self):
@@ -290,6 +297,25 @@ class InvariantAdam(AdamFamily):
             learning_rate = self.learning_rate
         # lr_k = kappa_k * lr
         return tf.cast(learning_rate, "float32") * kappa, correction
+
+    def _update_model_variables_moving_average(self, trainable_variables):
+        """Keras's EMA of the weights; with a `scaling_rule`, window k uses
+        momentum rho_k = ema_momentum ** kappa_k (a fixed rate per example)."""
+        if self.scaling_rule is None:
+            return super()._update_model_variables_moving_average(trainable_variables)
+        kappa = self._window_factors(_replicas.count())[0] * _replicas.count()
+        if isinstance(kappa, int):
+            rho = self.ema_momentum**kappa  # a Python float, as Keras's
+        else:
+            rho = tf.pow(tf.constant(self.ema_momentum, "float32"), kappa)
+        for var, average in zip(trainable_variables, self._model_variables_moving_average):
+            if average is None:
+                continue
+            # The first update copies the weights (momentum 0), as in Keras.
+            not_first = tf.cast(tf.not_equal(self.iterations, 0), var.dtype)
+            momentum = not_first * tf.cast(rho, var.dtype)
+            # average = rho_k * average + (1 - rho_k) * theta
+            average.assign(momentum * average + (1 - momentum) * var)
 
     def get_config(self):
         config = super().get_config()

@@ -3,18 +3,35 @@
 From a base tuned at kappa = 1 (one micro-batch per update), for kappa
 micro-batches per update:
 
-| rule        | learning_rate     | 1 - beta_i         | epsilon              |
-|-------------|-------------------|--------------------|----------------------|
-| "invariant" | kappa * lr        | kappa * (1 - beta) | same                 |
-| "sqrt"      | sqrt(kappa) * lr  | kappa * (1 - beta) | epsilon / sqrt(kappa)|
-| "power"     | kappa * lr        | beta_i ** kappa    | same                 |
+| rule           | learning_rate    | beta_1                  | beta_2                  | epsilon               |
+|----------------|------------------|-------------------------|-------------------------|-----------------------|
+| "invariant"    | kappa * lr       | 1 - kappa (1 - beta_1)  | 1 - kappa (1 - beta_2)  | same                  |
+| "sqrt"         | sqrt(kappa) * lr | 1 - kappa (1 - beta_1)  | 1 - kappa (1 - beta_2)  | epsilon / sqrt(kappa) |
+| "power"        | kappa * lr       | beta_1 ** kappa         | beta_2 ** kappa         | same                  |
+| "fixed_beta_1" | kappa * lr       | same                    | beta_2 ** kappa         | same                  |
 
 "invariant" is the linear rule under which `InvariantAdam` curves do not
 depend on kappa (Wang & Aitchison 2024); "sqrt" is the square-root rule for
 standard Adam (Malladi et al. 2022, arXiv:2205.10287); "power" is the
 invariant rule with the exponent form of the betas, which stays meaningful
-when kappa * (1 - beta) >= 1. The linear beta rule is refused there, never
-clipped silently.
+when kappa * (1 - beta) >= 1 (the linear beta rule is refused there, never
+clipped silently). "fixed_beta_1" keeps beta_1: the momentum then averages
+over kappa times more examples, which keeps Adam's stability threshold on
+the preconditioned sharpness, (2 + 2 beta_1) / (lr (1 - beta_1)), from
+falling faster than 1 / kappa (it falls ~100x at kappa = 8 under
+"invariant" with beta_1 = 0.9).
+
+Two more quantities integrate over updates and are rescaled when given:
+
+* `ema_momentum` (the weights' moving average, `use_ema=True`):
+  rho ** kappa under every rule, so the average forgets at a fixed rate
+  per example.
+* `weight_decay` (decoupled, theta -= lr * weight_decay * theta once per
+  update): the window's factor is 1 - lr' * weight_decay', and
+  lr' * weight_decay' = kappa * lr * weight_decay under every rule, the
+  decay per example of kappa = 1 (to first order in lr * weight_decay).
+  So weight_decay is unchanged where lr' = kappa * lr and multiplied by
+  sqrt(kappa) under "sqrt".
 """
 
 from __future__ import annotations
@@ -26,9 +43,18 @@ import tensorflow as tf
 
 from keras_accum.validation import check_choice, check_float
 
-RULES = ("invariant", "sqrt", "power")
+RULES = ("invariant", "sqrt", "power", "fixed_beta_1")
 # `InvariantAdam(scaling_rule=...)`: the rules applied per window.
-SCALING_RULES = ("invariant", "power", None)
+SCALING_RULES = ("invariant", "power", "fixed_beta_1", None)
+# How each rule scales (beta_1, beta_2): 1 - beta' = kappa (1 - beta)
+# ("linear"), beta' = beta ** kappa ("power") or beta' = beta ("fixed").
+BETA_FORMS = {
+    "invariant": ("linear", "linear"),
+    "sqrt": ("linear", "linear"),
+    "power": ("power", "power"),
+    "fixed_beta_1": ("fixed", "power"),
+    None: ("fixed", "fixed"),
+}
 
 
 def check_linear_beta(kappa: float, name: str, beta: float, argument: str = "rule") -> None:
@@ -51,16 +77,23 @@ def scale_hyperparameters(
     beta_1: float = 0.9,
     beta_2: float = 0.999,
     epsilon: float = 1e-7,
+    *,
+    weight_decay: float | None = None,
+    ema_momentum: float | None = None,
 ) -> dict[str, float]:
     """Scales Adam hyperparameters from kappa = 1 to `kappa` micro-batches.
 
     Args:
         kappa: micro-batches per update (steps x replicas), a number > 0.
-        rule: "invariant", "sqrt" or "power" (see the module docstring).
+        rule: "invariant", "sqrt", "power" or "fixed_beta_1" (see the module
+            docstring).
         learning_rate, beta_1, beta_2, epsilon: the base values at kappa = 1.
+        weight_decay, ema_momentum: optional base values, rescaled (see the
+            module docstring) and returned only when given.
 
     Returns:
-        dict with keys learning_rate, beta_1, beta_2, epsilon.
+        dict with keys learning_rate, beta_1, beta_2, epsilon (and
+        weight_decay, ema_momentum when given).
 
     Example:
         >>> hp = scale_hyperparameters(kappa=4, rule="invariant",
@@ -79,44 +112,59 @@ def scale_hyperparameters(
     betas = {"beta_1": beta_1, "beta_2": beta_2}
     for name, beta in betas.items():
         check_float(name, beta, minimum=0.0, maximum=1.0, open_maximum=True)
-    if rule == "power":
-        # beta' = beta ** kappa
-        scaled_betas = {name: beta**kappa_value for name, beta in betas.items()}
-    else:
-        scaled_betas = {}
-        for name, beta in betas.items():
+    scaled_betas = {}
+    for (name, beta), form in zip(betas.items(), BETA_FORMS[rule]):
+        if form == "linear":
             check_linear_beta(kappa, name, beta)
-            # 1 - beta' = kappa * (1 - beta)
-            scaled_betas[name] = 1 - kappa_value * (1 - beta)
+        scaled_betas[name] = scaled_beta(beta, kappa_value, form)
     lr_factor = kappa_value**0.5 if rule == "sqrt" else kappa_value
     eps_factor = kappa_value**-0.5 if rule == "sqrt" else 1
-    return {
+    scaled = {
         "learning_rate": learning_rate * lr_factor,
         **scaled_betas,
         "epsilon": epsilon * eps_factor,
     }
+    if weight_decay is not None:
+        check_float("weight_decay", weight_decay, minimum=0.0)
+        # lr' * weight_decay' = kappa * lr * weight_decay
+        scaled["weight_decay"] = weight_decay * kappa_value / lr_factor
+    if ema_momentum is not None:
+        check_float("ema_momentum", ema_momentum, minimum=0.0, maximum=1.0)
+        # rho' = rho ** kappa
+        scaled["ema_momentum"] = ema_momentum**kappa_value
+    return scaled
+
+
+def scaled_beta(beta: float, kappa: float, form: str) -> float:
+    """beta' for `kappa` micro-batches: 1 - kappa (1 - beta) ("linear"),
+    beta ** kappa ("power") or beta ("fixed")."""
+    if form == "linear":
+        return 1 - kappa * (1 - beta)
+    return beta**kappa if form == "power" else beta
 
 
 def check_scaling_rule(rule: Any, beta_1: float, beta_2: float, max_kappa: int) -> Any:
     """Validates `scaling_rule` and refuses a linear rule that would make a
     beta <= 0 for the largest window (`max_kappa` micro-batches)."""
     check_choice("scaling_rule", rule, SCALING_RULES)
-    if rule == "invariant":
-        for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
+    betas = (("beta_1", beta_1), ("beta_2", beta_2))
+    for (name, beta), form in zip(betas, BETA_FORMS[rule]):
+        if form == "linear":
             check_linear_beta(max_kappa, name, beta, argument="scaling_rule")
     return rule
 
 
-def one_minus_beta(beta: float, kappa: Any, rule: Any) -> Any:
-    """1 - beta_k for a window of `kappa` micro-batches under `rule`:
-    kappa (1 - beta) ("invariant"), 1 - beta ** kappa ("power") or 1 - beta
-    (None). Python numbers in, a Python number out; else a float32 tensor."""
-    if rule is None:
+def one_minus_beta(beta: float, kappa: Any, form: Any) -> Any:
+    """1 - beta_k for a window of `kappa` micro-batches, `form` one of
+    `BETA_FORMS`'s: kappa (1 - beta) ("linear"), 1 - beta ** kappa ("power")
+    or 1 - beta ("fixed"). Python numbers in, a Python number out; else a
+    float32 tensor."""
+    if form == "fixed":
         return 1 - beta
     if isinstance(kappa, (int, float)):
-        return kappa * (1 - beta) if rule == "invariant" else 1 - beta**kappa
+        return kappa * (1 - beta) if form == "linear" else 1 - beta**kappa
     kappa = tf.cast(kappa, tf.float32)
-    if rule == "invariant":
+    if form == "linear":
         return kappa * (1 - beta)
     # 1 - beta ** kappa = -expm1(kappa log beta), accurate when beta ~ 1.
     return -tf.math.expm1(kappa * tf.cast(math.log(beta), tf.float32)) if beta > 0 else 1.0
