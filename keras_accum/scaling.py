@@ -3,12 +3,13 @@
 From a base tuned at kappa = 1 (one micro-batch per update), for kappa
 micro-batches per update:
 
-| rule           | learning_rate    | beta_1                  | beta_2                  | epsilon               |
-|----------------|------------------|-------------------------|-------------------------|-----------------------|
-| "invariant"    | kappa * lr       | 1 - kappa (1 - beta_1)  | 1 - kappa (1 - beta_2)  | same                  |
-| "sqrt"         | sqrt(kappa) * lr | 1 - kappa (1 - beta_1)  | 1 - kappa (1 - beta_2)  | epsilon / sqrt(kappa) |
-| "power"        | kappa * lr       | beta_1 ** kappa         | beta_2 ** kappa         | same                  |
-| "fixed_beta_1" | kappa * lr       | same                    | beta_2 ** kappa         | same                  |
+| rule           | learning_rate    | beta_i'                | epsilon               |
+|----------------|------------------|------------------------|-----------------------|
+| "invariant"    | kappa * lr       | 1 - kappa (1 - beta_i) | same                  |
+| "sqrt"         | sqrt(kappa) * lr | 1 - kappa (1 - beta_i) | epsilon / sqrt(kappa) |
+| "power"        | kappa * lr       | beta_i ** kappa        | same                  |
+| "fixed_beta_1" | kappa * lr       | beta_1 same,           | same                  |
+|                |                  | beta_2 ** kappa        |                       |
 
 "invariant" is the linear rule under which `InvariantAdam` curves do not
 depend on kappa (Wang & Aitchison 2024); "sqrt" is the square-root rule for
