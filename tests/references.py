@@ -130,16 +130,23 @@ class SGD:
         return [p - self.lr * g for p, g in zip(params, grads)]
 
 
-def scheduled_invariant_adam(theta, windows, lr, b1, b2, eps=1e-7, rule=None, lr_fn=None):
+def scheduled_invariant_adam(
+    theta, windows, lr, b1, b2, eps=1e-7, rule=None, lr_fn=None, weight_decay=None, ema=None
+):
     """InvariantAdam when window k holds kappa_k = len(windows[k]) micro-batch
     gradients (arrays [kappa_k, ...], one variable). With `rule`, lr, b1, b2
     are the values for kappa = 1 and window k uses lr_k = kappa_k lr and
-    1 - b_k = kappa_k (1 - b) ("invariant") or b_k = b ** kappa_k ("power");
-    the bias correction uses P_i = prod of the betas applied. `lr_fn(n)`
-    replaces lr: n = micro-batches before the window (rule) or updates."""
+    1 - b_k = kappa_k (1 - b) ("invariant"), b_k = b ** kappa_k ("power") or
+    b1 kept and b2 ** kappa_k ("fixed_beta_1"); the bias correction uses
+    P_i = prod of the betas applied. `lr_fn(n)` replaces lr: n =
+    micro-batches before the window (rule) or updates. `weight_decay`:
+    theta *= 1 - lr_k weight_decay before the step. `ema` (a momentum rho):
+    returns (theta, average), average = rho_k average + (1 - rho_k) theta
+    after each update, rho_k = rho ** kappa_k with a rule (0 at the first)."""
     m = v = np.zeros_like(theta)
     p1 = p2 = 1.0
     consumed = 0
+    average = None
     for k, g in enumerate(windows):
         kappa = len(g)
         base = lr_fn(consumed if rule else k) if lr_fn else lr
@@ -147,11 +154,19 @@ def scheduled_invariant_adam(theta, windows, lr, b1, b2, eps=1e-7, rule=None, lr
             lr_k, b1k, b2k = base, b1, b2
         elif rule == "invariant":
             lr_k, b1k, b2k = kappa * base, 1 - kappa * (1 - b1), 1 - kappa * (1 - b2)
-        else:
+        elif rule == "power":
             lr_k, b1k, b2k = kappa * base, b1**kappa, b2**kappa
+        else:
+            assert rule == "fixed_beta_1", rule
+            lr_k, b1k, b2k = kappa * base, b1, b2**kappa
         m = b1k * m + (1 - b1k) * g.mean(0)
         v = b2k * v + (1 - b2k) * (g**2).mean(0)  # square, then average
         p1, p2 = p1 * b1k, p2 * b2k
+        if weight_decay:
+            theta = theta - lr_k * weight_decay * theta
         theta = theta - lr_k * np.sqrt(1 - p2) / (1 - p1) * m / (np.sqrt(v) + eps)
+        if ema is not None:
+            rho = 0.0 if k == 0 else (ema**kappa if rule else ema)
+            average = theta if k == 0 else rho * average + (1 - rho) * theta
         consumed += kappa
-    return theta
+    return theta if ema is None else (theta, average)

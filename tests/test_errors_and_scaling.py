@@ -95,10 +95,25 @@ def test_rule_table(kappa):
     assert power["beta_1"] == pytest.approx(0.9**kappa)
     assert power["beta_2"] == pytest.approx(0.999**kappa)
     assert power["learning_rate"] == pytest.approx(kappa * 1e-3)
+    fixed = ka.scale_hyperparameters(kappa=kappa, rule="fixed_beta_1", **BASE)
+    assert fixed["beta_1"] == 0.9
+    assert fixed["beta_2"] == pytest.approx(0.999**kappa)
+    assert fixed["learning_rate"] == pytest.approx(kappa * 1e-3)
+    assert fixed["epsilon"] == 1e-7
+
+
+@pytest.mark.parametrize("rule", ["invariant", "sqrt", "power", "fixed_beta_1"])
+@pytest.mark.parametrize("kappa", [1, 2, 8])
+def test_weight_decay_per_example_and_ema_per_example_are_kept(rule, kappa):
+    scaled = ka.scale_hyperparameters(kappa, rule, **BASE, weight_decay=0.04, ema_momentum=0.99)
+    # lr' x weight_decay' = kappa x lr x weight_decay; rho' = rho ** kappa
+    assert scaled["learning_rate"] * scaled["weight_decay"] == pytest.approx(kappa * 1e-3 * 0.04)
+    assert scaled["ema_momentum"] == pytest.approx(0.99**kappa)
+    assert "weight_decay" not in ka.scale_hyperparameters(kappa, rule, **BASE)
 
 
 def test_kappa_1_changes_nothing():
-    for rule in ("invariant", "sqrt", "power"):
+    for rule in ("invariant", "sqrt", "power", "fixed_beta_1"):
         assert ka.scale_hyperparameters(kappa=1, rule=rule, **BASE) == pytest.approx(BASE)
 
 
@@ -110,10 +125,11 @@ def test_linear_beta_rule_refused_when_meaningless(rule):
         r"rule='power'.*Received: kappa=10, beta_1=0.9",
     ):
         ka.scale_hyperparameters(kappa=10, rule=rule, **BASE)
-    # The exponent variant is defined there.
+    # The exponent variant is defined there, and beta_1 is kept by fixed_beta_1.
     assert ka.scale_hyperparameters(kappa=10, rule="power", **BASE)["beta_1"] == pytest.approx(
         0.9**10
     )
+    assert ka.scale_hyperparameters(kappa=10, rule="fixed_beta_1", **BASE)["beta_1"] == 0.9
 
 
 def test_unknown_rule_and_bad_kappa():
@@ -122,6 +138,9 @@ def test_unknown_rule_and_bad_kappa():
     for kappa in (0, -1, True, "2", float("inf")):
         with pytest.raises(ValueError, match=f"Received: kappa={kappa!r}"):
             ka.scale_hyperparameters(kappa=kappa, rule="invariant", **BASE)
+    for name, value in (("weight_decay", -0.1), ("ema_momentum", 1.5), ("ema_momentum", "x")):
+        with pytest.raises(ValueError, match=f"Received: {name}={value!r}"):
+            ka.scale_hyperparameters(2, "power", **BASE, **{name: value})
 
 
 # -- bad input to the API: a ValueError naming the argument, echoing it -------

@@ -47,7 +47,10 @@ def np_update_accumulation_adam(theta, windows, lr):
     return theta
 
 
-@pytest.mark.parametrize("rule", ["invariant", "power"])
+RULES = ["invariant", "power", "fixed_beta_1"]
+
+
+@pytest.mark.parametrize("rule", RULES)
 def test_reference_with_constant_kappa_is_the_scaled_one(rule):
     # P_i = beta_i,k ** k when kappa is constant: the scheduled reference is
     # then InvariantAdam's with scale_hyperparameters(kappa, rule).
@@ -143,7 +146,7 @@ def run_schedule(opt, rng, shape=(3, 2)):
     return theta, windows, after, step.experimental_get_tracing_count()
 
 
-@pytest.mark.parametrize("rule", [None, "invariant", "power"])
+@pytest.mark.parametrize("rule", [None, *RULES])
 def test_invariant_adam_matches_reference(rule):
     opt = ka.InvariantAdam(
         0.02,
@@ -180,15 +183,86 @@ def test_invariant_rule_lr_schedule_sees_micro_batches_consumed():
     np.testing.assert_allclose(after[-1], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rule", ["invariant", "power"])
-def test_constant_steps_rule_equals_scaled_hyperparameters(rule):
-    rng = np.random.default_rng(3)
+@pytest.mark.parametrize("rule", [None, *RULES])
+def test_ema_and_weight_decay_follow_the_window_size(rule):
+    # Windows of 1, 1, 1, 2, 2, 4, 4: with a rule, the weights' average
+    # uses momentum rho ** kappa_k and the decay lr_k * weight_decay.
+    opt = ka.InvariantAdam(
+        0.02,
+        beta_1=0.8,
+        beta_2=0.95,
+        steps=ka.PiecewiseSteps(BOUNDARIES, VALUES),
+        scaling_rule=rule,
+        weight_decay=0.5,
+        use_ema=True,
+        ema_momentum=0.7,
+    )
+    theta, windows, after, traces = run_schedule(opt, np.random.default_rng(5))
+    assert traces == 1
+    for k in range(len(windows)):
+        expected, average = references.scheduled_invariant_adam(
+            theta, windows[: k + 1], 0.02, 0.8, 0.95, rule=rule, weight_decay=0.5, ema=0.7
+        )
+        np.testing.assert_allclose(after[k], expected, rtol=1e-5, atol=1e-6)
+    [ours] = opt._model_variables_moving_average
+    np.testing.assert_allclose(ours.numpy(), average, rtol=1e-5, atol=1e-6)
+
+
+def _apply_both(opt, ref, rng, micro_batches, jit=False):
+    """Feeds the same gradients to two optimizers on twin variables (in a
+    tf.function, XLA-compiled with `jit`); returns both variables and EMAs."""
     init = rng.normal(size=(4, 3)).astype("float32")
     ours, theirs = keras.Variable(init), keras.Variable(init)
-    opt = ka.InvariantAdam(0.01, beta_1=0.9, beta_2=0.99, steps=4, scaling_rule=rule)
-    scaled = ka.scale_hyperparameters(4, rule, 0.01, beta_1=0.9, beta_2=0.99)
-    ref = ka.InvariantAdam(steps=4, **scaled)
-    for _ in range(6 * 4):
+    opt.build([ours])
+    ref.build([theirs])
+    step = tf.function(
+        lambda g: (opt.apply([g], [ours]), ref.apply([g], [theirs])), jit_compile=jit
+    )
+    for _ in range(micro_batches):
+        step(tf.constant(rng.normal(size=(4, 3)), "float32"))
+    averages = [o._model_variables_moving_average[0].numpy() for o in (opt, ref)]
+    return (ours.numpy(), theirs.numpy()), averages
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("rule", RULES)
+def test_constant_steps_rule_equals_scaled_hyperparameters(rule, jit):
+    # The issue's identity: scaling_rule=r with steps=kappa is the same
+    # optimizer with scale_hyperparameters(kappa, r) (EMA rho ** kappa,
+    # weight decay per example kept), to float32 rounding.
+    rng = np.random.default_rng(3)
+    opt = ka.InvariantAdam(
+        0.01,
+        beta_1=0.9,
+        beta_2=0.99,
+        steps=4,
+        scaling_rule=rule,
+        weight_decay=0.1,
+        use_ema=True,
+        ema_momentum=0.8,
+    )
+    scaled = ka.scale_hyperparameters(
+        4, rule, 0.01, beta_1=0.9, beta_2=0.99, weight_decay=0.1, ema_momentum=0.8
+    )
+    assert scaled["ema_momentum"] == pytest.approx(0.8**4)
+    assert scaled["weight_decay"] == 0.1  # lr x kappa: the same per example
+    ref = ka.InvariantAdam(steps=4, use_ema=True, **scaled)
+    (ours, theirs), (avg_ours, avg_theirs) = _apply_both(opt, ref, rng, 6 * 4, jit)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(avg_ours, avg_theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_fixed_beta_1_is_adam_with_kappa_lr_and_beta_2_to_the_kappa():
+    # scaling_rule="fixed_beta_1" at steps=kappa: lr x kappa, beta_1 and
+    # epsilon kept, beta_2 ** kappa, written out by hand.
+    kappa, rng = 4, np.random.default_rng(6)
+    opt = ka.InvariantAdam(
+        0.003, beta_1=0.9, beta_2=0.99, epsilon=1e-6, steps=kappa, scaling_rule="fixed_beta_1"
+    )
+    ref = ka.InvariantAdam(kappa * 0.003, beta_1=0.9, beta_2=0.99**kappa, epsilon=1e-6, steps=kappa)
+    init = rng.normal(size=(4, 3)).astype("float32")
+    ours, theirs = keras.Variable(init), keras.Variable(init)
+    for _ in range(5 * kappa):
         g = tf.constant(rng.normal(size=(4, 3)), "float32")
         opt.apply([g], [ours])
         ref.apply([g], [theirs])
@@ -251,6 +325,14 @@ def test_linear_rule_refused_at_build_with_the_replica_count():
 MAKERS = {
     "invariant_adam": lambda s: ka.InvariantAdam(0.01, steps=s, scaling_rule="invariant"),
     "invariant_adam_power": lambda s: ka.InvariantAdam(0.01, steps=s, scaling_rule="power"),
+    "invariant_adam_fixed_beta_1_ema": lambda s: ka.InvariantAdam(
+        0.01,
+        steps=s,
+        scaling_rule="fixed_beta_1",
+        weight_decay=0.01,
+        use_ema=True,
+        ema_momentum=0.9,
+    ),
     "update_accumulation_adam": lambda s: ka.UpdateAccumulationAdam(0.01, steps=s),
     "gradient_accumulation": lambda s: ka.GradientAccumulation(
         keras.optimizers.AdamW(0.01, weight_decay=0.01), steps=s
@@ -259,7 +341,13 @@ MAKERS = {
 
 
 @pytest.mark.parametrize(
-    "name", ["invariant_adam", "update_accumulation_adam", "gradient_accumulation"]
+    "name",
+    [
+        "invariant_adam",
+        "invariant_adam_fixed_beta_1_ema",
+        "update_accumulation_adam",
+        "gradient_accumulation",
+    ],
 )
 def test_save_and_load_mid_window_across_a_switch(name, tmp_path):
     # Windows of 2, 2, 4, 4: micro-step 3 is inside the second window, past
@@ -300,7 +388,9 @@ def fit(optimizer, batch_size, strategy=None):
     return model
 
 
-@pytest.mark.parametrize("name", ["invariant_adam", "gradient_accumulation"])
+@pytest.mark.parametrize(
+    "name", ["invariant_adam", "invariant_adam_fixed_beta_1_ema", "gradient_accumulation"]
+)
 def test_mirrored_equals_one_device_with_schedule_doubled(name):
     # Two replicas x windows of 1 then 2 micro-batches per replica is one
     # device with windows of 2 then 4 (boundaries in micro-steps doubled).
@@ -310,6 +400,12 @@ def test_mirrored_equals_one_device_with_schedule_doubled(name):
     assert model.optimizer.iterations.numpy() == reference.optimizer.iterations.numpy() == 7
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if model.optimizer.use_ema:  # rho ** kappa_k with kappa_k = steps x replicas
+        averages = [
+            o._model_variables_moving_average for o in (model.optimizer, reference.optimizer)
+        ]
+        for a, b in zip(*averages):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_mirrored_update_accumulation_adam_with_schedule():

@@ -71,8 +71,14 @@ def make_optimizer(config, kappa, total_updates):
     # A steps schedule: InvariantAdam rescales per window itself, and its lr
     # schedule counts micro-batches over all replicas (kappa per update).
     scheduled = config["steps_boundaries"] is not None
+    weight_decay = config["weight_decay"]
     if config["scaling_rule"] and not scheduled:
-        hyper = ka.scale_hyperparameters(kappa, config["scaling_rule"], **hyper)
+        # The weight decay per example stays that of kappa = 1 (x sqrt(kappa)
+        # under "sqrt", unchanged where lr scales with kappa).
+        hyper = ka.scale_hyperparameters(
+            kappa, config["scaling_rule"], **hyper, weight_decay=weight_decay
+        )
+        weight_decay = hyper.pop("weight_decay", None)
     if config["lr_schedule"] == "cosine":
         hyper["learning_rate"] = keras.optimizers.schedules.CosineDecay(
             hyper["learning_rate"], decay_steps=total_updates * (kappa if scheduled else 1)
@@ -86,7 +92,7 @@ def make_optimizer(config, kappa, total_updates):
         steps,
         hyper,
         inner=config["inner_optimizer"],
-        weight_decay=config["weight_decay"],
+        weight_decay=weight_decay,
         scaling_rule=rule,
     )
 
