@@ -42,7 +42,7 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import diagnostics, nonfinite, remat, training
-from keras_accum.experiments import data, fit_memory, models, optimizers, run_config, run_folder
+from keras_accum.experiments import child, data, models, optimizers, run_config, run_folder
 from keras_accum.experiments.callbacks import AccumulationLogger, CSVLogger, SplitLabels
 from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config API)
     DEFAULTS,
@@ -177,7 +177,7 @@ def train_and_evaluate(config, workdir, resume=False):
     if verbose == 1 and not sys.stdout.isatty():
         verbose = 2  # one line per epoch in logs instead of redrawn bars
     start = time.time()
-    fit_memory.reset_peak()
+    child.reset_peak()
     if initial_epoch < config["epochs"]:
         with nonfinite.explained():  # nonfinite="raise": one line
             model.fit(
@@ -211,7 +211,8 @@ def _peak_memory(verbose):
     MB: weights, optimizer state, data buffers and the step's activations
     (None unless it reports one: a GPU, or TF_CPU_ALLOCATOR_USE_BFC=true,
     which scripts/train.py sets); printed when `verbose`."""
-    peak = fit_memory.peak_tensor_mb()
+    info = child.memory_info()
+    peak = round(info["peak"] / 2**20, 2) if info else None
     if verbose and peak is not None:
         print(f"Peak tensor memory: {peak:.1f} MB", flush=True)
     return peak
@@ -340,7 +341,7 @@ def _train_custom_loop(config, workdir, strategy, model, window_examples, kappa,
     )
     test = data.load(config["dataset"], "test", data_dir=config["data_dir"], batch_size=1000)
     start = time.time()
-    fit_memory.reset_peak()
+    child.reset_peak()
     resume_hint = f"python scripts/train.py --workdir {workdir} --resume"
     with training.distribute.peer_errors(resume_hint):
         history, evaluation = _loop_and_evaluate(

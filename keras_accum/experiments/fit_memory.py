@@ -13,10 +13,6 @@ the batch and every transient buffer of the step, all counted.
   micro-batch 1 fits the budget, and the largest micro-batch that divides
   `batch` and fits, with `steps = batch / micro_batch` (a doubling search
   over the divisors of `batch`, one process per size tried).
-* `peak_tensor_mb()` / `reset_peak()`: the allocator's peak in this
-  process (None where the allocator does not report it), for a run's
-  final.json.
-
 `scripts/fit_memory.py` prints the plan:
 
     python scripts/fit_memory.py --config saved_configs/mnist1d_cnn_invariant.py \\
@@ -24,44 +20,11 @@ the batch and every transient buffer of the step, all counted.
 """
 
 import json
-import os
-import pathlib
-import subprocess
 import sys
 
-BFC = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "3"}
+from keras_accum.experiments import child
+
 MEASURED_STEPS = 3  # The first traces; the peak is reached by the second.
-# The child imports this checkout's package, whatever else is installed.
-ROOT = str(pathlib.Path(__file__).resolve().parents[2])
-
-
-def _allocator():
-    import tensorflow as tf
-
-    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-
-
-def reset_peak():
-    """Starts the allocator's peak afresh (no-op where it keeps none)."""
-    import tensorflow as tf
-
-    try:
-        tf.config.experimental.reset_memory_stats(_allocator())
-    except (ValueError, tf.errors.InvalidArgumentError):
-        pass
-
-
-def peak_tensor_mb():
-    """The allocator's peak bytes in use since `reset_peak` (or the start),
-    in MB; None where it reports none (the default CPU allocator: set
-    TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow starts)."""
-    import tensorflow as tf
-
-    try:
-        peak = tf.config.experimental.get_memory_info(_allocator())["peak"]
-    except (ValueError, tf.errors.InvalidArgumentError):
-        return None
-    return round(peak / 2**20, 2) if peak else None
 
 
 def measure(config, micro_batch, remat, timeout=600):
@@ -69,22 +32,8 @@ def measure(config, micro_batch, remat, timeout=600):
     items and `remat`, measured in a fresh process; returns a dict with
     `peak_mb`, `micro_batch`, `remat`, `device`."""
     request = json.dumps({"config": config, "micro_batch": micro_batch, "remat": remat})
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_accum.experiments.fit_memory", request],
-        env={
-            **os.environ,
-            **BFC,
-            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-        },
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode or not lines:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"Measuring micro_batch={micro_batch}, remat={remat!r} failed: {tail}")
-    return json.loads(lines[-1])
+    module = "keras_accum.experiments.fit_memory"
+    return child.run(module, request, env=child.BFC, timeout=timeout)
 
 
 def plan(config, budget_mb, batch, modes=("none", "full"), report=print):
@@ -137,14 +86,15 @@ def _measure_here(config, micro_batch, remat):
         batch_size=micro_batch,
         drop_remainder=True,
     ).repeat()
-    reset_peak()
+    child.reset_peak()
     model = experiment._build_model(config, info, config["steps"], total_updates=1)
     model.fit(stream, steps_per_epoch=MEASURED_STEPS, epochs=1, verbose=0)
+    info = child.memory_info()
     return {
-        "peak_mb": peak_tensor_mb(),
+        "peak_mb": round(info["peak"] / 2**20, 2) if info else None,
         "micro_batch": micro_batch,
         "remat": remat,
-        "device": _allocator(),
+        "device": child.allocator(),
     }
 
 

@@ -18,20 +18,19 @@ graph mode and XLA, for each `keras_accum.remat` mode.
 import glob
 import json
 import os
-import pathlib
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
+
+from keras_accum.experiments import child
 
 MODES = ("none", "full", "larger_than")
 # charlm.build_lm sizes: its defaults, and a deeper, wider one.
 SIZES = {"lm": {}, "lm_4x64": {"dim": 64, "heads": 4, "blocks": 4, "mlp_dim": 256}}
 SETTINGS = {"graph": False, "xla": True}
-ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 
 def _model(size, seq_len, mode, jit_compile):
@@ -67,15 +66,13 @@ def memory_here(size, setting, seq_len, mode, calls=3, dump_dir=None):
     """In this fresh BFC process: peaks of `calls` training calls (MB), and
     under XLA (`dump_dir`: this process's --xla_dump_to) the compiled
     step's temporary buffer."""
-    import tensorflow as tf
-
     stream = _stream(seq_len)
     model = _model(size, seq_len, mode, SETTINGS[setting])
-    held = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    held = child.memory_info()["current"]
+    child.reset_peak()
     for _ in range(calls):
         model.train_function(stream)
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    peak = child.memory_info()["peak"]
     row = {"step_mb": (peak - held) / 2**20, "total_mb": peak / 2**20}
     if dump_dir:
         row["xla_temp_mb"] = xla_temp_bytes(dump_dir) / 2**20
@@ -119,30 +116,16 @@ def time_here(size, setting, seq_len, modes=MODES, rounds=5, calls=5):
 
 
 def _child(kind, **request):
-    dump = None
+    env = dict(child.BFC)
     if kind == "memory" and SETTINGS[request["setting"]]:
-        dump = request["dump_dir"] = tempfile.mkdtemp(prefix="remat_bench_")
-    env = {
-        **os.environ,
-        "TF_CPU_ALLOCATOR_USE_BFC": "true",
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-    }
-    if dump:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_accum.experiments.remat_bench", kind, json.dumps(request)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    if dump:
-        shutil.rmtree(dump, ignore_errors=True)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode or not lines:
-        raise RuntimeError(f"{kind} {request} failed: {result.stderr.strip()[-2000:]}")
-    return json.loads(lines[-1])
+        request["dump_dir"] = tempfile.mkdtemp(prefix="remat_bench_")
+        env.update(child.xla_dump(request["dump_dir"]))
+    try:
+        module = "keras_accum.experiments.remat_bench"
+        return child.run(module, kind, json.dumps(request), env=env, timeout=1200)
+    finally:
+        if request.get("dump_dir"):
+            shutil.rmtree(request["dump_dir"], ignore_errors=True)
 
 
 def run(sizes, seq_lens, settings=tuple(SETTINGS), modes=MODES, rounds=5, calls=5, report=print):

@@ -162,7 +162,8 @@ def _check_steps_schedule(config):
     if rule and (rule == "sqrt" or config["optimizer"] != "invariant_adam"):
         raise cfg.ConfigError(
             "With a steps schedule only optimizer='invariant_adam' rescales per window, "
-            f"with scaling_rule 'invariant', 'power' or 'fixed_beta_1'. Received: scaling_rule={rule!r}, "
+            "with scaling_rule 'invariant', 'power' or 'fixed_beta_1'. "
+            f"Received: scaling_rule={rule!r}, "
             f"optimizer={config['optimizer']!r}"
         )
     if config["lr_schedule"] != "constant" and not rule:

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum._probes import count_copies
+from keras_accum.experiments import child
 from keras_accum.experiments.bench.config import SETTINGS, run_device
 from keras_accum.experiments.bench.contenders import CONTENDERS
 from keras_accum.experiments.bench.runner import FitRunner
@@ -71,14 +72,12 @@ def measure_tensor_memory(model_name, contender_name, setting_name, config):
     tens of MB); on a tiny model one unrelated buffer alive at the peak or
     not can double it. With a GPU, the step's tensors live there and its
     allocator is read instead."""
-    device = run_device(setting_name)
-    allocator = "GPU:0" if device == "gpu" else "CPU:0"
     workload = WORKLOADS[model_name]
     keras.utils.set_random_seed(config.seed)
     x, _ = workload.data(1, config.quick, np.random.default_rng(config.seed))
     workload.build(config.quick)(x)
-    baseline = tf.config.experimental.get_memory_info(allocator)["current"]
-    tf.config.experimental.reset_memory_stats(allocator)
+    baseline = child.memory_info()["current"]
+    child.reset_peak()
     runner = FitRunner(
         workload,
         CONTENDERS[contender_name],
@@ -88,9 +87,9 @@ def measure_tensor_memory(model_name, contender_name, setting_name, config):
         config.micro_batch,
     )
     runner.call(2)
-    peak = tf.config.experimental.get_memory_info(allocator)["peak"] - baseline
+    peak = child.memory_info()["peak"] - baseline
     return {
-        "device": device,
+        "device": run_device(setting_name),
         "setting": setting_name,
         "peak_mb": peak / 2**20,
         "per_param": peak / runner.params,

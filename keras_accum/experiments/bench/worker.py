@@ -11,12 +11,10 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
-import keras_accum as ka
+from keras_accum.experiments import child
 from keras_accum.experiments.bench.config import SETTINGS, BenchConfig, log
-from keras_accum.training import atomic
 
 
 def run_worker(task, config, timeout=3600):
@@ -24,31 +22,14 @@ def run_worker(task, config, timeout=3600):
     "xla_copies") in a fresh Python; returns its JSON result. RuntimeError
     if it fails."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
         task = dict(task, tmp=tmp)
-        payload = json.dumps({"task": task, "config": dataclasses.asdict(config), "out": out})
-        env = dict(os.environ)
-        if task["kind"] == "xla_copies":
-            # Read by XLA when it first compiles, in the child.
-            env["XLA_FLAGS"] = f"--xla_dump_to={tmp}/hlo --xla_dump_hlo_as_text"
+        payload = json.dumps({"task": task, "config": dataclasses.asdict(config)})
+        env = {}
+        if task["kind"] == "xla_copies":  # read by XLA when it first compiles
+            env = child.xla_dump(os.path.join(tmp, "hlo"))
         if task["kind"] == "tensor_memory":
-            # TensorFlow's BFC allocator on the CPU counts its peak.
-            env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-        package_root = os.path.dirname(os.path.dirname(ka.__file__))
-        env["PYTHONPATH"] = os.pathsep.join(
-            [package_root] + [p for p in [env.get("PYTHONPATH")] if p]
-        )
-        proc = subprocess.run(
-            [sys.executable, "-m", "keras_accum.experiments.bench", payload],
-            env=env,
-            timeout=timeout,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"bench worker {task} failed with code {proc.returncode}")
-        with open(out) as f:
-            return json.load(f)
+            env = child.BFC
+        return child.run("keras_accum.experiments.bench", payload, env=env, timeout=timeout)
 
 
 def per_contender(kind, label, config, contenders=None, settings=(None,)):
@@ -94,5 +75,4 @@ def main(payload):
         )
     else:
         result = memory.measure_rss(task["model"], task["contender"], config)
-    with atomic.replacing(payload["out"]) as f:  # a killed worker leaves no half file
-        json.dump(result, f)
+    print(json.dumps(result), flush=True)
