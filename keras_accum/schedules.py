@@ -10,9 +10,10 @@ window holds kappa = steps x replicas micro-batches, as with a constant
 
 * `PiecewiseSteps(boundaries, values)`: fixed switches, e.g. 1 micro-batch
   per update for the first 2000 micro-steps, then 4, then 16 after 8000.
-* `AdaptiveSteps(min_steps, max_steps, micro_batch_size)`: grows the window
-  with the gradient noise scale, kappa ~ B_simple / micro-batch size
-  (McCandlish et al. 2018), never decreasing (`keras_accum.adaptive_steps`).
+* `AdaptiveSteps(min_steps, max_steps, micro_batch_size, ...)`: grows the
+  window with a smoothed gradient noise scale, kappa ~ B_simple / micro-batch
+  size (McCandlish et al. 2018), never decreasing, optionally after a
+  `PiecewiseSteps` warmup (`keras_accum.adaptive_steps`).
 
 The value is a tensor computed from variables, so a traced training step is
 not retraced when the size changes.
