@@ -109,6 +109,11 @@ def test_config_round_trip():
         ka.UpdateAccumulationAdam(0.01, steps=schedule),
         ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=schedule),
         ka.InvariantAdam(0.01, steps=ka.AdaptiveSteps(1, 8, 32), scaling_rule="invariant"),
+        ka.InvariantAdam(
+            0.01,
+            steps=ka.AdaptiveSteps(2, 8, 16, 0.5, 3, warmup=ka.PiecewiseSteps([4], [1, 4])),
+            scaling_rule="power",
+        ),
     ):
         clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
         assert type(clone.steps) is type(opt.steps)
@@ -421,7 +426,8 @@ def test_mirrored_update_accumulation_adam_with_schedule():
 
 
 def test_adaptive_steps_follow_the_noise_scale_and_never_decrease():
-    schedule = ka.AdaptiveSteps(min_steps=1, max_steps=8, micro_batch_size=32)
+    # Unsmoothed and deciding at once: the rule on each estimate alone.
+    schedule = ka.AdaptiveSteps(1, 8, 32, smoothing=0.0, min_observations=1)
     opt = ka.InvariantAdam(0.01, steps=schedule, scaling_rule="power")
     opt.build([keras.Variable(np.zeros(2, "float32"))])
     assert int(schedule(0)) == 1
@@ -434,8 +440,8 @@ def test_adaptive_steps_follow_the_noise_scale_and_never_decrease():
         (1e6, 8),
     ]:
         assert int(schedule.observe(b_simple)) == expected
-    assert [d[2] for d in schedule.decisions] == [1, 3, 3, 8, 8]
-    assert schedule.decisions[1][1] == 70.0
+    assert [d.steps for d in schedule.decisions] == [1, 3, 3, 8, 8]
+    assert schedule.decisions[1].b_simple == 70.0
     with pytest.raises(ValueError, match="max_steps"):
         ka.AdaptiveSteps(min_steps=4, max_steps=2)
     with pytest.raises(ValueError, match="not built"):
@@ -444,7 +450,8 @@ def test_adaptive_steps_follow_the_noise_scale_and_never_decrease():
 
 def test_adaptive_steps_change_at_window_starts_and_are_saved(tmp_path):
     model = build_model()
-    model.compile(optimizer=MAKERS["invariant_adam"](ka.AdaptiveSteps(1, 4, 4)), loss="mse")
+    steps = ka.AdaptiveSteps(1, 4, 4, smoothing=0.0, min_observations=1)
+    model.compile(optimizer=MAKERS["invariant_adam"](steps), loss="mse")
     opt = model.optimizer
 
     def fit_batches(model, lo, hi):

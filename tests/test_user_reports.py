@@ -54,7 +54,7 @@ def test_raise_policy_is_refused_under_xla_where_it_could_not_raise(name):
 
 def test_adaptive_steps_observe_in_a_tf_function_equals_eager():
     def make():
-        steps = ka.AdaptiveSteps(min_steps=1, max_steps=8, micro_batch_size=32)
+        steps = ka.AdaptiveSteps(1, 8, 32, smoothing=0.0, min_observations=1)
         ka.InvariantAdam(1e-3, steps=steps).build([keras.Variable(np.zeros(3, "float32"))])
         return steps
 

@@ -127,12 +127,19 @@ def markdown(switch_rows, adaptive_rows, config, decisions):
             f"{e['test_accuracy'][1]:.3f} | {e['updates'][0]:.0f} ± {e['updates'][1]:.0f} |"
         )
     if decisions:
-        lines += ["", "Decisions (seed, micro-step, B_simple estimate, steps from then on):", ""]
+        lines += [
+            "",
+            "Decisions (seed, micro-step, B_simple estimate, its smoothed average over "
+            "the estimates so far, steps from then on, why):",
+            "",
+        ]
         for d in decisions:
             if d["seed"] == c["seeds"][0]:
                 lines.append(
                     f"* seed {d['seed']} lr {d['learning_rate']:g}: micro-step "
-                    f"{d['micro_step']}, B_simple {d['b_simple']:.0f} -> steps {d['steps']}"
+                    f"{d['micro_step']}, B_simple {d['b_simple']:.0f}, smoothed "
+                    f"{d['smoothed']:.0f} over {d['observations']} -> steps {d['steps']} "
+                    f"({d['reason']})"
                 )
     return "\n".join(lines) + "\n"
 

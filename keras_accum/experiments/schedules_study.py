@@ -257,16 +257,8 @@ class SchedulesStudy:
             self._record("adaptive", "power", run, lr, seed, points)
             if run == "adaptive":
                 opt = self.trainer.loops(("adaptive", run), make)[0]
-                for micro_step, b_simple, kappa in opt.steps.decisions:
-                    self.decisions.append(
-                        {
-                            "seed": seed,
-                            "learning_rate": lr,
-                            "micro_step": micro_step,
-                            "b_simple": b_simple,
-                            "steps": kappa,
-                        }
-                    )
+                for decision in opt.steps.decisions:  # adaptive_steps.Decision records
+                    self.decisions.append({"seed": seed, "learning_rate": lr, **decision._asdict()})
 
     def _prober(self, seed):
         """Every call: B_simple from `probe_windows` windows of 8 seeded

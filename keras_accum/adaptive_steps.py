@@ -1,0 +1,288 @@
+"""`AdaptiveSteps`: the window size from the smoothed gradient noise scale.
+
+A batch-size schedule (`keras_accum.schedules`) that grows the window with
+a bias-corrected moving average of B_simple estimates, decides only once the
+average has settled, optionally after a fixed warmup, and never shrinks.
+Also importable as `keras_accum.schedules.AdaptiveSteps`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+from keras import initializers, saving
+
+from keras_accum.schedules import PiecewiseSteps, StepsSchedule
+from keras_accum.validation import check_float, check_int
+
+# The logger of the class's first home, so that a logging setup keeps working.
+_LOGGER = logging.getLogger("keras_accum.schedules")
+
+
+class Decision(NamedTuple):
+    """One eager `AdaptiveSteps.observe` call, as kept in `decisions`."""
+
+    micro_step: int  # the optimizer's micro_step at the call
+    b_simple: float  # the estimate as given (nan and inf included)
+    smoothed: float  # the bias-corrected average after it; nan before any
+    observations: int  # finite estimates folded in so far
+    steps: int  # the size of a window starting at micro_step
+    reason: str  # "warmup", "settling" (too few estimates) or "decided"
+
+
+@saving.register_keras_serializable(package="keras_accum")
+class AdaptiveSteps(StepsSchedule):
+    """Window size following the smoothed gradient noise scale, never decreasing.
+
+    The critical batch size is about B_simple = tr(Sigma) / |G|^2
+    (McCandlish et al. 2018): below it, a bigger batch saves updates almost
+    for free. One estimate is noisy, and the window never shrinks, so a
+    first estimate that is too high would hold for the rest of the run.
+    `observe(b_simple)` (e.g. with
+    `keras_accum.diagnostics.GradientNoiseScale(...).b_simple`) therefore
+    folds each finite estimate b_n into a bias-corrected exponential moving
+    average (as Adam's moments and AdaptDL do), with s = `smoothing`:
+
+        a_n = s * a_{n-1} + (1 - s) * clip(b_n, 0, max_steps * micro_batch_size)
+        B_n = a_n / (1 - s ** n)
+
+    nan estimates (none yet) are skipped and not counted; +inf (the signal
+    not resolved above the noise) enters as the largest useful value, which
+    keeps the average finite. Once n >= `min_observations`:
+
+        decided = max(decided, clip(ceil(B_n / micro_batch_size),
+                                    min_steps, max_steps))
+
+    With a `warmup`, a window starting before the handover micro-step
+    h = `warmup.boundaries[-1]` has the warmup's size, and from h on
+    max(warmup.values[-1], decided). Estimates observed during the warmup
+    feed the average, so that it has settled by h. The optimizer reads the
+    size when a window starts: a window in progress finishes with the size
+    it started with.
+
+    The state is optimizer variables (`adaptive_steps`: the size from the
+    handover on, `adaptive_ema`: a_n, `adaptive_observations`: n), saved and
+    restored with the optimizer; the same estimates give the same decisions.
+    Call `observe` after the optimizer is built, eagerly or in a
+    `tf.function`. Each eager call appends a `Decision` to `decisions` (this
+    object's calls; not saved) and logs it (Python `logging`, INFO, logger
+    `keras_accum.schedules`).
+
+    Example:
+
+    ```python
+    # kappa = 1, 2, 4 for 4000 micro-steps, then from the noise scale.
+    steps = keras_accum.AdaptiveSteps(
+        1, 16, micro_batch_size=32,
+        warmup=keras_accum.PiecewiseSteps([1000, 4000], [1, 2, 4]))
+    optimizer = keras_accum.InvariantAdam(1e-3, steps=steps, scaling_rule="power")
+    ...  # every so often: steps.observe(noise_scale.b_simple)
+    ```
+
+    Args:
+        min_steps: the lower bound of the decided size and, without a
+            warmup, the first window's size (>= 1). The `min_steps`
+            attribute, a bound of every size, is the smaller of this and
+            the warmup's smallest value.
+        max_steps: the upper bound (>= min_steps), also of the warmup.
+        micro_batch_size: items per micro-step over all replicas (the
+            per-replica micro-batch size x replicas), the unit of B_simple.
+        smoothing: s in [0, 1), the weight of the past; 0 keeps only the
+            last estimate. Default 0.9: about the last 10 estimates.
+        min_observations: finite estimates before the size may change
+            (>= 1). Default 4: at s = 0.9 the average then weighs its
+            estimates 0.29, 0.26, 0.24, 0.21, close to a plain mean of 4,
+            whose spread is half a single estimate's; waiting longer delays
+            every gain, and each estimate costs probe passes.
+        warmup: None, or a `PiecewiseSteps` with at least one boundary and
+            values <= max_steps: the sizes until its last boundary.
+    """
+
+    def __init__(
+        self,
+        min_steps: int = 1,
+        max_steps: int = 8,
+        micro_batch_size: int = 32,
+        smoothing: float = 0.9,
+        min_observations: int = 4,
+        warmup: PiecewiseSteps | None = None,
+    ):
+        self._floor = check_int("min_steps", min_steps)
+        self.max_steps = check_int("max_steps", max_steps)
+        if self.max_steps < self._floor:
+            raise ValueError(
+                "`max_steps` must be >= `min_steps`. Received: "
+                f"min_steps={min_steps!r}, max_steps={max_steps!r}"
+            )
+        self.micro_batch_size = check_int("micro_batch_size", micro_batch_size)
+        self.smoothing = check_float(
+            "smoothing", smoothing, minimum=0.0, maximum=1.0, open_maximum=True
+        )
+        self.min_observations = check_int("min_observations", min_observations)
+        self.warmup = _check_warmup(warmup, self.max_steps)
+        warmup_values = self.warmup.values if self.warmup else []
+        self.min_steps = min([self._floor, *warmup_values])
+        self.decisions: list[Decision] = []
+        self._steps = None
+        self._optimizer = None
+
+    def build(self, optimizer: Any) -> None:
+        if self._optimizer is not None and self._optimizer is not optimizer:
+            raise ValueError(
+                "This AdaptiveSteps already drives another optimizer; create "
+                f"one per optimizer. Received: optimizer={optimizer!r}"
+            )
+        self._optimizer = optimizer
+
+        def add(name, dtype, value):
+            return optimizer.add_variable(
+                (),
+                initializer=initializers.Constant(value),
+                dtype=dtype,
+                aggregation="only_first_replica",
+                name=name,
+            )
+
+        after_warmup = self.warmup.values[-1] if self.warmup else 0
+        self._steps = add("adaptive_steps", "int64", max(self._floor, after_warmup))
+        # float64: the same sums as a float64 reference, and no rounding of
+        # large estimates.
+        self._ema = add("adaptive_ema", "float64", 0.0)
+        self._count = add("adaptive_observations", "int64", 0)
+
+    @property
+    def steps(self) -> Any:
+        """The size of the windows starting from the handover on (a variable)."""
+        self._check_built()
+        return self._steps
+
+    @property
+    def observations(self) -> Any:
+        """Finite estimates folded in so far (a variable)."""
+        self._check_built()
+        return self._count
+
+    @property
+    def smoothed(self) -> tf.Tensor:
+        """The bias-corrected average B_n (float64; nan before any estimate)."""
+        self._check_built()
+        return self._average(self._ema, self._count)
+
+    def __call__(self, micro_step: Any) -> tf.Tensor:
+        self._check_built()
+        steps = tf.convert_to_tensor(self._steps)
+        if self.warmup is None:
+            return steps
+        step = tf.cast(micro_step, tf.int64)
+        return tf.where(step < self.warmup.boundaries[-1], self.warmup(step), steps)
+
+    def propose(self, b_simple: Any) -> tf.Tensor:
+        """The value `observe(b_simple)` would give `steps` (no state change)."""
+        self._check_built()
+        return self._fold(b_simple)[3]
+
+    def observe(self, b_simple: Any) -> tf.Tensor:
+        """Folds in one noise-scale estimate; returns the size of a window
+        starting at the optimizer's current micro-step."""
+        self._check_built()
+        ema, count, smoothed, steps = self._fold(b_simple)
+        self._ema.assign(ema)
+        self._count.assign(count)
+        self._steps.assign(steps)
+        micro_step = self._optimizer.micro_step
+        size = self(micro_step)
+        if tf.executing_eagerly():
+            self._record(int(micro_step), float(b_simple), float(smoothed), int(count), int(size))
+        return size
+
+    def _fold(self, b_simple):
+        """(a_n, n, B_n, decided) after `b_simple`, as tensors."""
+        f64 = lambda x: tf.constant(x, tf.float64)  # traced, a Python float is float32
+        b = tf.cast(b_simple, tf.float64)
+        finite = tf.logical_not(tf.math.is_nan(b))
+        largest = f64(self.max_steps * self.micro_batch_size)
+        clipped = tf.clip_by_value(tf.where(finite, b, f64(0.0)), f64(0.0), largest)
+        ema = tf.convert_to_tensor(self._ema)
+        ema = tf.where(finite, f64(self.smoothing) * ema + f64(1.0 - self.smoothing) * clipped, ema)
+        count = tf.convert_to_tensor(self._count) + tf.cast(finite, tf.int64)
+        smoothed = self._average(ema, count)
+        target = tf.math.ceil(smoothed / self.micro_batch_size)
+        target = tf.clip_by_value(target, f64(self._floor), f64(self.max_steps))
+        # Unsettled (this includes no estimate yet, B_n nan): no change.
+        target = tf.where(count >= self.min_observations, target, f64(0.0))
+        decided = tf.maximum(tf.convert_to_tensor(self._steps), tf.cast(target, tf.int64))
+        return ema, count, smoothed, decided
+
+    def _average(self, ema, count):
+        """B_n = a_n / (1 - s ** n), nan for n = 0."""
+        some = count > 0
+        correction = 1.0 - tf.pow(
+            tf.constant(self.smoothing, tf.float64), tf.cast(count, tf.float64)
+        )
+        correction = tf.where(some, correction, tf.constant(1.0, tf.float64))
+        return tf.where(some, ema / correction, tf.constant(math.nan, tf.float64))
+
+    def _record(self, micro_step, b_simple, smoothed, count, size):
+        if self.warmup is not None and micro_step < self.warmup.boundaries[-1]:
+            reason = "warmup"
+        elif count < self.min_observations:
+            reason = "settling"
+        else:
+            reason = "decided"
+        decision = Decision(micro_step, b_simple, smoothed, count, size, reason)
+        self.decisions.append(decision)
+        _LOGGER.info(
+            "AdaptiveSteps: micro_step %d, B_simple %.4g, smoothed %.4g over %d -> steps %d (%s)",
+            *decision,
+        )
+
+    def _check_built(self):
+        if self._steps is None:
+            raise ValueError(
+                "AdaptiveSteps is not built: pass it as `steps` to an "
+                "optimizer and build the optimizer first."
+            )
+
+    def get_config(self) -> dict:
+        warmup = None if self.warmup is None else saving.serialize_keras_object(self.warmup)
+        return {
+            "min_steps": self._floor,
+            "max_steps": self.max_steps,
+            "micro_batch_size": self.micro_batch_size,
+            "smoothing": self.smoothing,
+            "min_observations": self.min_observations,
+            "warmup": warmup,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict) -> AdaptiveSteps:
+        config = dict(config)
+        if isinstance(config.get("warmup"), dict):
+            config["warmup"] = saving.deserialize_keras_object(config["warmup"])
+        return cls(**config)
+
+    def __repr__(self):
+        return (
+            f"AdaptiveSteps(min_steps={self._floor}, max_steps={self.max_steps}, "
+            f"micro_batch_size={self.micro_batch_size}, smoothing={self.smoothing}, "
+            f"min_observations={self.min_observations}, warmup={self.warmup!r})"
+        )
+
+
+def _check_warmup(warmup, max_steps):
+    """`warmup` if None or a PiecewiseSteps that can hand over, else ValueError."""
+    if warmup is None:
+        return None
+    if not isinstance(warmup, PiecewiseSteps) or not warmup.boundaries:
+        raise ValueError(
+            "`warmup` must be None or a PiecewiseSteps with at least one boundary "
+            f"(its last is the handover). Received: warmup={warmup!r}"
+        )
+    if warmup.max_steps > max_steps:
+        raise ValueError(
+            f"`warmup` values must be <= max_steps={max_steps}. Received: warmup={warmup!r}"
+        )
+    return warmup
