@@ -97,6 +97,10 @@ FIELDS = [
     _examples("probe_every", 1024, "Examples between B_simple probes"),
     F("probe_windows", "int", 4, "Probe windows per estimate", minimum=1),
     _fraction("probe_ema", 0.9, "EMA of the B_simple estimates"),
+    # AdaptiveSteps' own smoothing and settling: off by default, the probes'
+    # EMA already smooths (the published study ran without them).
+    F("adaptive_smoothing", "float", 0.0, "AdaptiveSteps smoothing", minimum=0.0, maximum=0.99),
+    F("adaptive_min_observations", "int", 1, "AdaptiveSteps min_observations", minimum=1),
     F("verbose", "int", 1, "1: a line per run, 0: silent", choices=(0, 1)),
 ]
 
@@ -243,7 +247,7 @@ class SchedulesStudy:
         for run, steps in (
             ("kappa=1", 1),
             (f"kappa={top}", top),
-            ("adaptive", ka.AdaptiveSteps(1, top, b)),
+            ("adaptive", _adaptive_steps(c, top)),
         ):
             probe = None
             if run == "adaptive":
@@ -301,6 +305,18 @@ class SchedulesStudy:
         }
         # Last: a folder without summary.json is an unfinished study.
         atomic.atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+def _adaptive_steps(c, top, warmup=None):
+    """The study's `AdaptiveSteps` from 1 to `top` micro-batches."""
+    return ka.AdaptiveSteps(
+        1,
+        top,
+        c["micro_batch_size"],
+        smoothing=c["adaptive_smoothing"],
+        min_observations=c["adaptive_min_observations"],
+        warmup=warmup,
+    )
 
 
 def _apply_sqrt_rule(optimizer, kappa):
