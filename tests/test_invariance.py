@@ -91,7 +91,7 @@ def test_smoke_variant_end_to_end(data_dir, tmp_path):
         assert int(r["updates"]) * int(r["kappa"]) * B == int(r["examples"])
 
     table = (out / "spread.md").read_text()
-    for method in invariance.METHODS:
+    for method in resolved["methods"]:
         assert f"| {method} |" in table, method
     assert "B_simple" in table
     noise = list(csv.DictReader(open(out / "noise_scale.csv")))
@@ -140,6 +140,18 @@ def test_tiny_lr_invariant_curves_agree_plain_ones_do_not(bench):
         assert inv < 0.1 * plain, (metric, inv, plain)
         assert inv < 0.25 * spread["sqrt"][metric][0], metric
     assert spread["plain"]["train_loss"][0] > 0.1 * moved
+
+
+def test_power_and_fixed_beta_1_methods_follow_their_rules():
+    h = invariance.optimizer_hyperparameters("power", 8, 1e-3)
+    assert h == pytest.approx(
+        {"learning_rate": 8e-3, "beta_1": 0.9**8, "beta_2": 0.999**8, "epsilon": 1e-7}
+    )
+    h = invariance.optimizer_hyperparameters("fixed_beta_1", 8, 1e-3)
+    assert h == pytest.approx(
+        {"learning_rate": 8e-3, "beta_1": 0.9, "beta_2": 0.999**8, "epsilon": 1e-7}
+    )
+    assert type(invariance.method_optimizer("power", 8, 1e-3)).__name__ == "InvariantAdam"
 
 
 def test_reused_compiled_loop_equals_a_fresh_one(bench):
