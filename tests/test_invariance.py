@@ -154,6 +154,49 @@ def test_power_and_fixed_beta_1_methods_follow_their_rules():
     assert type(invariance.method_optimizer("power", 8, 1e-3)).__name__ == "InvariantAdam"
 
 
+def test_frontier_gap_noise_ratio_by_hand():
+    """kappa = 1 train losses at the 2 points after the start, seeds 0-2:
+    (1.0, 0.8), (1.2, 0.6), (1.1, 0.7): seed std 0.1 at each point. kappa = 8
+    is off by 0.05 at lr 1e-3 (ratio 0.5) and by 0.3 at lr 1e-2 (ratio 3);
+    method `sqrt` by 0.3 at both. Test loss = 2 x train loss: same ratios."""
+    from keras_accum.experiments.invariance import report
+
+    k1 = np.array([[9.0, 1.0, 0.8], [9.0, 1.2, 0.6], [9.0, 1.1, 0.7]])  # [seed, point]
+    offsets = {("invariant", 1e-3): 0.05, ("invariant", 1e-2): 0.3}
+    config = {
+        "methods": ["invariant", "sqrt"],
+        "learning_rates": [1e-3, 1e-2],
+        "seeds": [0, 1, 2],
+        "kappas": [1, 8],
+    }
+    rows = []
+    for (method, lr, seed, kappa), (i, e) in itertools.product(
+        itertools.product(config["methods"], config["learning_rates"], [0, 1, 2], [1, 8]),
+        enumerate([0, 256, 512]),
+    ):
+        sign = 1 if seed % 2 else -1  # |gap| whatever its sign
+        # At examples = 0 (left out of both averages): seed std 0, gap 1.
+        offset = offsets.get((method, lr), 0.3) if i else 1.0
+        loss = k1[seed, i] + (kappa == 8) * sign * offset
+        rows.append(
+            {"method": method, "learning_rate": lr, "kappa": kappa, "seed": seed, "examples": e}
+            | {"train_loss": loss, "test_loss": 2 * loss, "test_accuracy": 0.0}
+        )
+    table = report.frontier(rows, config)
+    noise = np.mean(np.std(k1[:, 1:], axis=0, ddof=1))
+    assert noise == pytest.approx(0.1)
+    for key, gap in list(offsets.items()) + [(("sqrt", 1e-3), 0.3)]:
+        assert table[key]["train_loss"] == pytest.approx((gap, 0.1, gap / 0.1))
+        assert table[key]["test_loss"] == pytest.approx((2 * gap, 0.2, gap / 0.1))
+    assert report.frontier_lr(table, "invariant") == 1e-3
+    assert report.frontier_lr(table, "sqrt") is None
+    text = report.markdown_report([], [], config | {"micro_batch_size": 32}, 0, 0, rows)
+    assert "| invariant | 0.001 | 5.00e-02 | 1.00e-01 | 0.50 |" in text
+    assert "| sqrt | none | none |" in text
+    for missing in ({"kappas": [1, 4]}, {"seeds": [0]}):
+        assert report.frontier(rows, config | missing) == {}
+
+
 def test_reused_compiled_loop_equals_a_fresh_one(bench):
     """The study reuses one compiled loop per (method, kappa) across learning
     rates and seeds; resetting the state must leave no trace of the

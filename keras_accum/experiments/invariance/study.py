@@ -19,7 +19,14 @@ from keras_accum.training import atomic
 
 # The files a study writes; summary.json comes last, so a folder without it
 # holds an unfinished study (killed, or stopped by an error).
-OUTPUTS = ("config.json", "runs.csv", "noise_scale.csv", "spread.md", "spread_vs_lr.png")
+OUTPUTS = (
+    "config.json",
+    "runs.csv",
+    "noise_scale.csv",
+    "spread.md",
+    "spread_vs_lr.png",
+    "frontier.png",
+)
 
 
 def _log(config, message):
@@ -167,6 +174,7 @@ class InvarianceStudy:
             ),
         )
         report.plot_spread(summary_rows, c, workdir / "spread_vs_lr.png")
+        report.plot_frontier(self.rows, c, workdir / "frontier.png")
         for lr in c["plot_learning_rates"]:
             report.plot_method_curves(self.rows, c, lr, workdir / f"curves_lr_{lr:g}.png")
         return {
