@@ -5,6 +5,7 @@ accumulation's do not; at kappa = 1 all four methods are Adam exactly)."""
 import csv
 import itertools
 import json
+import math
 import pathlib
 
 import numpy as np
@@ -190,9 +191,13 @@ def test_frontier_gap_noise_ratio_by_hand():
         assert table[key]["test_loss"] == pytest.approx((2 * gap, 0.2, gap / 0.1))
     assert report.frontier_lr(table, "invariant") == 1e-3
     assert report.frontier_lr(table, "sqrt") is None
-    text = report.markdown_report([], [], config | {"micro_batch_size": 32}, 0, 0, rows)
+    text = "\n".join(report._frontier_table(rows, config))
     assert "| invariant | 0.001 | 5.00e-02 | 1.00e-01 | 0.50 |" in text
-    assert "| sqrt | none | none |" in text
+    # The ratio rises from 0.5 to 3 between lr 1e-3 and 1e-2: through 2 at
+    # log10(lr / 1e-3) = log(2 / 0.5) / log(3 / 0.5).
+    crossing = 1e-3 * 10 ** (math.log(4) / math.log(6))
+    assert f"| invariant | 0.001 | 0.001 | {crossing:.2g} |" in text
+    assert "| sqrt | none | none | < 0.001 |" in text
     for missing in ({"kappas": [1, 4]}, {"seeds": [0]}):
         assert report.frontier(rows, config | missing) == {}
 

@@ -213,6 +213,24 @@ def frontier_lr(table, method, metric="train_loss"):
     return max(lrs, default=None)
 
 
+def crossing_lr(lrs, values, level):
+    """The lr where `values` (at increasing `lrs`) first rises through
+    `level`, linear in (log lr, log value) between neighbours; 0 when
+    already above at lrs[0], inf when never reached."""
+    if values[0] > level:
+        return 0.0
+    for (lr_a, a), (lr_b, b) in zip(zip(lrs, values), zip(lrs[1:], values[1:])):
+        if b > level >= a:
+            f = (math.log(level) - math.log(a)) / (math.log(b) - math.log(a))
+            return math.exp(math.log(lr_a) + f * (math.log(lr_b) - math.log(lr_a)))
+    return math.inf
+
+
+def format_lr(lrs, lr):
+    """A `crossing_lr` result for a table: bounds as "< lrs[0]", "> lrs[-1]"."""
+    return f"< {lrs[0]:g}" if lr == 0 else f"> {lrs[-1]:g}" if math.isinf(lr) else f"{lr:.2g}"
+
+
 def _frontier_table(rows, config):
     table = frontier(rows, config)
     if not table:
@@ -239,14 +257,20 @@ def _frontier_table(rows, config):
     lines += [
         "",
         f"Largest base lr at which kappa={k8} stays within {FRONTIER_RATIO:g}x "
-        f"its kappa={k1} seed-to-seed spread (ratio <= {FRONTIER_RATIO:g}):",
+        f"its kappa={k1} seed-to-seed spread (ratio <= {FRONTIER_RATIO:g}), "
+        "and where the train ratio first rises through it (linear in log ratio "
+        "and log lr between neighbouring lrs):",
         "",
-        "| method | train loss | test loss |",
-        "|---|---|---|",
+        "| method | train loss | test loss | train ratio crosses 2 at |",
+        "|---|---|---|---|",
     ]
+    lrs = sorted(config["learning_rates"])
     for method in config["methods"]:
-        lrs = [frontier_lr(table, method, m) for m in FRONTIER_METRICS]
-        lines.append(_row([method] + ["none" if lr is None else f"{lr:g}" for lr in lrs]))
+        best = [frontier_lr(table, method, m) for m in FRONTIER_METRICS]
+        ratios = [table[method, lr]["train_loss"][2] for lr in lrs]
+        crossing = crossing_lr(lrs, ratios, FRONTIER_RATIO)
+        cells = ["none" if lr is None else f"{lr:g}" for lr in best]
+        lines.append(_row([method] + cells + [format_lr(lrs, crossing)]))
     return lines
 
 
