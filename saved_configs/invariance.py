@@ -18,8 +18,8 @@ learning rates tuned at kappa = 1. Whole-command run times measured on the
     frontier: 240 runs, where each rule's invariance breaks: InvariantAdam
     under the invariant, power and fixed_beta_1 rules against
     update_accumulation and sqrt, 5 lrs x 3 seeds, 32768 examples each;
-    2.4 min wall (1.8 min CPU) for the whole command, 2.2 min in the
-    study. Results: docs/invariance/frontier/.
+    2.4 min wall (1.8 min CPU) for the whole command at load ~1-2, 6.5
+    min wall (1.8 min CPU) at load 10-13. Results: docs/invariance/frontier/.
     python scripts/invariance.py --config saved_configs/invariance.py \
         --variant frontier --workdir runs/invariance-frontier
 
