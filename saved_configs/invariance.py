@@ -15,25 +15,32 @@ learning rates tuned at kappa = 1. Whole-command run times measured on the
     python scripts/invariance.py --config saved_configs/invariance.py \
         --variant quick --workdir runs/invariance-quick
 
+    frontier: 240 runs, where each rule's invariance breaks: InvariantAdam
+    under the invariant, power and fixed_beta_1 rules against
+    update_accumulation and sqrt, 5 lrs x 3 seeds, 32768 examples each;
+    2.4 min wall (1.8 min CPU) for the whole command at load ~1-2, 6.5
+    min wall (1.8 min CPU) at load 10-13. Results: docs/invariance/frontier/.
+    python scripts/invariance.py --config saved_configs/invariance.py \
+        --variant frontier --workdir runs/invariance-frontier
+
     smoke: 18 runs of 512 examples, kappa in {1, 2, 4}; 31 s wall including
     the TensorFlow import (17 s in the study). tests/test_invariance.py.
     python scripts/invariance.py --config saved_configs/invariance.py \
         --variant smoke --workdir runs/invariance-smoke
 
-Runs at kappa = 1 are shared by the four methods (all are Adam there), so a
-(lr, seed) costs 1 + 4 x 3 = 13 runs.
+Runs at kappa = 1 are shared by the methods (all are Adam there), so a
+(lr, seed) costs 1 + 4 x 3 = 13 runs with four methods.
 """
 
 MICRO_BATCH = 32
 KAPPAS = [1, 2, 4, 8]
 WINDOW = max(KAPPAS) * MICRO_BATCH  # 256: evaluation points are multiples
+VARIANTS = ("full", "quick", "frontier", "smoke")
 
 
 def get_config(variant="full"):
-    if variant not in ("full", "quick", "smoke"):
-        raise ValueError(
-            f"`variant` must be 'full', 'quick' or 'smoke'. Received: variant={variant!r}"
-        )
+    if variant not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {VARIANTS}. Received: variant={variant!r}")
     config = {
         "dataset": "mnist1d",
         "model": "mlp",
@@ -53,6 +60,17 @@ def get_config(variant="full"):
             plot_learning_rates=[1e-4, 1e-3, 1e-2],
             noise_scale_windows=64,
             noise_scale_kappa=16,  # probe windows of 512 examples
+        )
+    elif variant == "frontier":
+        config.update(
+            methods=["invariant", "power", "fixed_beta_1", "update_accumulation", "sqrt"],
+            learning_rates=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
+            seeds=[0, 1, 2],
+            train_examples=32768,  # as full
+            eval_every=4 * WINDOW,
+            plot_learning_rates=[1e-4, 1e-3, 1e-2],
+            noise_scale_windows=64,
+            noise_scale_kappa=16,
         )
     elif variant == "quick":
         config.update(

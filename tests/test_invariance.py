@@ -5,6 +5,7 @@ accumulation's do not; at kappa = 1 all four methods are Adam exactly)."""
 import csv
 import itertools
 import json
+import math
 import pathlib
 
 import numpy as np
@@ -91,7 +92,7 @@ def test_smoke_variant_end_to_end(data_dir, tmp_path):
         assert int(r["updates"]) * int(r["kappa"]) * B == int(r["examples"])
 
     table = (out / "spread.md").read_text()
-    for method in invariance.METHODS:
+    for method in resolved["methods"]:
         assert f"| {method} |" in table, method
     assert "B_simple" in table
     noise = list(csv.DictReader(open(out / "noise_scale.csv")))
@@ -140,6 +141,65 @@ def test_tiny_lr_invariant_curves_agree_plain_ones_do_not(bench):
         assert inv < 0.1 * plain, (metric, inv, plain)
         assert inv < 0.25 * spread["sqrt"][metric][0], metric
     assert spread["plain"]["train_loss"][0] > 0.1 * moved
+
+
+def test_power_and_fixed_beta_1_methods_follow_their_rules():
+    h = invariance.optimizer_hyperparameters("power", 8, 1e-3)
+    assert h == pytest.approx(
+        {"learning_rate": 8e-3, "beta_1": 0.9**8, "beta_2": 0.999**8, "epsilon": 1e-7}
+    )
+    h = invariance.optimizer_hyperparameters("fixed_beta_1", 8, 1e-3)
+    assert h == pytest.approx(
+        {"learning_rate": 8e-3, "beta_1": 0.9, "beta_2": 0.999**8, "epsilon": 1e-7}
+    )
+    assert type(invariance.method_optimizer("power", 8, 1e-3)).__name__ == "InvariantAdam"
+
+
+def test_frontier_gap_noise_ratio_by_hand():
+    """kappa = 1 train losses at the 2 points after the start, seeds 0-2:
+    (1.0, 0.8), (1.2, 0.6), (1.1, 0.7): seed std 0.1 at each point. kappa = 8
+    is off by 0.05 at lr 1e-3 (ratio 0.5) and by 0.3 at lr 1e-2 (ratio 3);
+    method `sqrt` by 0.3 at both. Test loss = 2 x train loss: same ratios."""
+    from keras_accum.experiments.invariance import report
+
+    k1 = np.array([[9.0, 1.0, 0.8], [9.0, 1.2, 0.6], [9.0, 1.1, 0.7]])  # [seed, point]
+    offsets = {("invariant", 1e-3): 0.05, ("invariant", 1e-2): 0.3}
+    config = {
+        "methods": ["invariant", "sqrt"],
+        "learning_rates": [1e-3, 1e-2],
+        "seeds": [0, 1, 2],
+        "kappas": [1, 8],
+    }
+    rows = []
+    for (method, lr, seed, kappa), (i, e) in itertools.product(
+        itertools.product(config["methods"], config["learning_rates"], [0, 1, 2], [1, 8]),
+        enumerate([0, 256, 512]),
+    ):
+        sign = 1 if seed % 2 else -1  # |gap| whatever its sign
+        # At examples = 0 (left out of both averages): seed std 0, gap 1.
+        offset = offsets.get((method, lr), 0.3) if i else 1.0
+        loss = k1[seed, i] + (kappa == 8) * sign * offset
+        rows.append(
+            {"method": method, "learning_rate": lr, "kappa": kappa, "seed": seed, "examples": e}
+            | {"train_loss": loss, "test_loss": 2 * loss, "test_accuracy": 0.0}
+        )
+    table = report.frontier(rows, config)
+    noise = np.mean(np.std(k1[:, 1:], axis=0, ddof=1))
+    assert noise == pytest.approx(0.1)
+    for key, gap in list(offsets.items()) + [(("sqrt", 1e-3), 0.3)]:
+        assert table[key]["train_loss"] == pytest.approx((gap, 0.1, gap / 0.1))
+        assert table[key]["test_loss"] == pytest.approx((2 * gap, 0.2, gap / 0.1))
+    assert report.frontier_lr(table, "invariant") == 1e-3
+    assert report.frontier_lr(table, "sqrt") is None
+    text = "\n".join(report._frontier_table(rows, config))
+    assert "| invariant | 0.001 | 5.00e-02 | 1.00e-01 | 0.50 |" in text
+    # The ratio rises from 0.5 to 3 between lr 1e-3 and 1e-2: through 2 at
+    # log10(lr / 1e-3) = log(2 / 0.5) / log(3 / 0.5).
+    crossing = 1e-3 * 10 ** (math.log(4) / math.log(6))
+    assert f"| invariant | 0.001 | 0.001 | {crossing:.2g} |" in text
+    assert "| sqrt | none | none | < 0.001 |" in text
+    for missing in ({"kappas": [1, 4]}, {"seeds": [0]}):
+        assert report.frontier(rows, config | missing) == {}
 
 
 def test_reused_compiled_loop_equals_a_fresh_one(bench):

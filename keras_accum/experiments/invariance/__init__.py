@@ -15,11 +15,13 @@ from base hyperparameters tuned at kappa = 1:
 | method                | optimizer                                            |
 |-----------------------|------------------------------------------------------|
 | `invariant`           | `InvariantAdam(steps=kappa, **scale(kappa, "invariant"))` |
+| `power`               | `InvariantAdam(steps=kappa, **scale(kappa, "power"))` |
+| `fixed_beta_1`        | `InvariantAdam(steps=kappa, **scale(kappa, "fixed_beta_1"))` |
 | `sqrt`                | `GradientAccumulation(Adam(**scale(kappa, "sqrt")), kappa)` |
 | `update_accumulation` | `UpdateAccumulationAdam(base_lr, steps=kappa)` (per-micro-batch rate) |
 | `plain`               | `GradientAccumulation(Adam(base_lr), kappa)`, no rescaling |
 
-At kappa = 1 all four are `keras.optimizers.Adam` (tests/test_invariance.py
+At kappa = 1 all of them are `keras.optimizers.Adam` (tests/test_invariance.py
 checks they give identical numbers), so with `share_kappa1` that run is done
 once per (learning rate, seed) and recorded under every method.
 
@@ -40,6 +42,8 @@ Output folder (`run_study(config, workdir)`):
     noise_scale.csv    B_simple of the initial and of the trained models
     spread.md          the spread table (Markdown) and the noise scale
     spread_vs_lr.png   spread versus base learning rate, a line per method
+    frontier.png       kappa = 8 against kappa = 1 over the seed noise, per
+                       method and lr (when the config has both and 2+ seeds)
     curves_lr_*.png    loss versus examples, a panel per method, a line per kappa
     summary.json       run time and counts
 """

@@ -4,7 +4,9 @@ import keras_accum as ka
 from keras_accum.experiments import config as cfg
 from keras_accum.experiments import models, optimizers
 
-METHODS = ("invariant", "sqrt", "update_accumulation", "plain")
+METHODS = ("invariant", "power", "fixed_beta_1", "sqrt", "update_accumulation", "plain")
+# The default study: the linear rule against the baselines.
+DEFAULT_METHODS = ["invariant", "sqrt", "update_accumulation", "plain"]
 
 F = cfg.Field
 
@@ -25,7 +27,7 @@ FIELDS = [
     F("model", "str", "mlp", "Model name", choices=tuple(models.MODELS)),
     F("micro_batch_size", "int", 32, "Items per micro-batch", minimum=1),
     F("kappas", "list", [1, 2, 4, 8], "Micro-batches per update", item=_bounded_int(1)),
-    F("methods", "list", list(METHODS), "Methods", item=F("", "str", "", "", choices=METHODS)),
+    F("methods", "list", DEFAULT_METHODS, "Methods", item=F("", "str", "", "", choices=METHODS)),
     # Base hyperparameters at kappa = 1; each method rescales them.
     F("learning_rates", "list", [3e-4, 1e-3, 3e-3], "Base learning rates", item=_POSITIVE),
     _fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
@@ -98,10 +100,14 @@ def resolve_config(config):
 
 
 # Each method: (optimizer name, scaling rule from the kappa = 1 base).
-# update_accumulation keeps lr as a per-micro-batch rate, unscaled by
-# design; plain does no rescaling at all (the naive baseline).
+# power and fixed_beta_1 are InvariantAdam under the other rules (where does
+# each rule's invariance break?). update_accumulation keeps lr as a
+# per-micro-batch rate, unscaled by design; plain does no rescaling at all
+# (the naive baseline).
 METHOD_OPTIMIZERS = {
     "invariant": ("invariant_adam", "invariant"),
+    "power": ("invariant_adam", "power"),
+    "fixed_beta_1": ("invariant_adam", "fixed_beta_1"),
     "sqrt": ("gradient_accumulation", "sqrt"),
     "update_accumulation": ("update_accumulation_adam", None),
     "plain": ("gradient_accumulation", None),

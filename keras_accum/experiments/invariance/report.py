@@ -166,6 +166,114 @@ def _breakdown_table(rows, config):
     return lines
 
 
+# The frontier compares the largest window with one micro-batch per update;
+# "invariant" while the gap stays within FRONTIER_RATIO seed-noise units.
+FRONTIER_KAPPAS = (1, 8)
+FRONTIER_RATIO = 2.0
+FRONTIER_METRICS = ("train_loss", "test_loss")
+
+
+def frontier(rows, config):
+    """{(method, lr): {metric: (gap, noise, ratio)}} for kappa = 8 against
+    kappa = 1, over the evaluation points with examples > 0:
+
+        gap   = mean over seeds and points of |loss_8 - loss_1| (same seed:
+                same initial weights and micro-batch stream)
+        noise = mean over points of the seed std (ddof=1) of loss_1
+        ratio = gap / noise
+
+    {} when the config lacks kappa 1 or 8 or has fewer than 2 seeds."""
+    k1 = FRONTIER_KAPPAS[0]
+    if not set(FRONTIER_KAPPAS) <= set(config["kappas"]) or len(config["seeds"]) < 2:
+        return {}
+    gaps = spreads(rows, list(FRONTIER_KAPPAS))  # max - min of two = |gap|
+    curves = {}
+    for r in rows:
+        if r["kappa"] == k1 and r["examples"] > 0:
+            key = (r["method"], r["learning_rate"], r["seed"])
+            curves.setdefault(key, {})[r["examples"]] = r
+    out = {}
+    for method in config["methods"]:
+        for lr in config["learning_rates"]:
+            keys = [(method, lr, seed) for seed in config["seeds"]]
+            points = sorted(curves[keys[0]])
+            out[method, lr] = {}
+            for metric in FRONTIER_METRICS:
+                gap = float(np.mean([gaps[k][metric][0] for k in keys]))
+                k1_losses = [[curves[k][e][metric] for k in keys] for e in points]
+                noise = float(np.mean([_mean_std(v)[1] for v in k1_losses]))
+                ratio = gap / noise if noise > 0 else math.inf
+                out[method, lr][metric] = (gap, noise, ratio)
+    return out
+
+
+def frontier_lr(table, method, metric="train_loss"):
+    """The largest base lr whose ratio is <= FRONTIER_RATIO, or None."""
+    lrs = [lr for (m, lr), e in table.items() if m == method and e[metric][2] <= FRONTIER_RATIO]
+    return max(lrs, default=None)
+
+
+def crossing_lr(lrs, values, level):
+    """The lr where `values` (at increasing `lrs`) first rises through
+    `level`, linear in (log lr, log value) between neighbours; 0 when
+    already above at lrs[0], inf when never reached."""
+    if values[0] > level:
+        return 0.0
+    for (lr_a, a), (lr_b, b) in zip(zip(lrs, values), zip(lrs[1:], values[1:])):
+        if b > level >= a:
+            f = (math.log(level) - math.log(a)) / (math.log(b) - math.log(a))
+            return math.exp(math.log(lr_a) + f * (math.log(lr_b) - math.log(lr_a)))
+    return math.inf
+
+
+def format_lr(lrs, lr):
+    """A `crossing_lr` result for a table: bounds as "< lrs[0]", "> lrs[-1]"."""
+    return f"< {lrs[0]:g}" if lr == 0 else f"> {lrs[-1]:g}" if math.isinf(lr) else f"{lr:.2g}"
+
+
+def _frontier_table(rows, config):
+    table = frontier(rows, config)
+    if not table:
+        return []
+    k1, k8 = FRONTIER_KAPPAS
+    lines = [
+        "",
+        f"Frontier: kappa={k8} against kappa={k1}, same seed (same initial "
+        "weights and micro-batch stream). gap = mean over seeds and "
+        f"evaluation points (examples > 0) of |loss(kappa={k8}) - "
+        f"loss(kappa={k1})|; noise = mean over the points of the seed-to-seed "
+        f"std (ddof=1) of loss(kappa={k1}); ratio = gap / noise:",
+        "",
+        "| method | base lr | train gap | train noise | train ratio | "
+        "test gap | test noise | test ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (method, lr), e in table.items():
+        cells = [method, f"{lr:g}"]
+        for metric in FRONTIER_METRICS:
+            gap, noise, ratio = e[metric]
+            cells += [f"{gap:.2e}", f"{noise:.2e}", f"{ratio:.2f}"]
+        lines.append(_row(cells))
+    lines += [
+        "",
+        f"Largest base lr at which kappa={k8} stays within {FRONTIER_RATIO:g}x "
+        f"its kappa={k1} seed-to-seed spread (ratio <= {FRONTIER_RATIO:g}), "
+        "and where the train ratio first rises through it (linear in log ratio "
+        "and log lr between neighbouring lrs):",
+        "",
+        "| method | train loss | test loss | train ratio crosses 2 at |",
+        "|---|---|---|---|",
+    ]
+    lrs = sorted(config["learning_rates"])
+    for method in config["methods"]:
+        best = [frontier_lr(table, method, m) for m in FRONTIER_METRICS]
+        ratios = [table[method, lr]["train_loss"][2] for lr in lrs]
+        crossing = crossing_lr(lrs, ratios, FRONTIER_RATIO)
+        cells = ["none" if lr is None else f"{lr:g}" for lr in best]
+        lines.append(_row([method] + cells + [format_lr(lrs, crossing)]))
+    return lines
+
+
 def _noise_table(noise_rows, config):
     b = config["micro_batch_size"]
     lines = [
@@ -200,6 +308,7 @@ def markdown_report(summary_rows, noise_rows, config, seconds, cpu_seconds, rows
         _full_table(summary_rows, config, seconds, cpu_seconds)
         + _compact_table(summary_rows, config)
         + _breakdown_table(rows, config)
+        + _frontier_table(rows, config)
         + _noise_table(noise_rows, config)
     )
     return "\n".join(lines) + "\n"
@@ -250,6 +359,38 @@ def plot_spread(summary_rows, config, png):
     fig.tight_layout()
     save_figure(fig, png)
     plt.close(fig)
+
+
+def plot_frontier(rows, config, png):
+    """The frontier ratio (gap / seed noise) versus base lr, a line per
+    method, a panel per loss; False (nothing written) without a frontier."""
+    table = frontier(rows, config)
+    if not table:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(FRONTIER_METRICS), figsize=(11, 4.2))
+    lrs = config["learning_rates"]
+    for ax, metric in zip(axes, FRONTIER_METRICS):
+        for method in config["methods"]:
+            ax.plot(lrs, [table[method, lr][metric][2] for lr in lrs], marker="o", label=method)
+        ax.axhline(FRONTIER_RATIO, color="k", linestyle="--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs])
+        ax.xaxis.set_minor_formatter("")
+        ax.set_xlabel("base learning rate (kappa = 1)")
+        ax.set_ylabel(f"{metric.replace('_', ' ')}: gap / seed noise")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    k1, k8 = FRONTIER_KAPPAS
+    fig.suptitle(
+        f"mean |loss(kappa={k8}) - loss(kappa={k1})| over the mean seed std at "
+        f"kappa={k1} ({len(config['seeds'])} seeds); dashed: {FRONTIER_RATIO:g}"
+    )
+    fig.tight_layout()
+    save_figure(fig, png)
+    plt.close(fig)
+    return True
 
 
 def plot_method_curves(rows, config, lr, png):

@@ -19,7 +19,14 @@ from keras_accum.training import atomic
 
 # The files a study writes; summary.json comes last, so a folder without it
 # holds an unfinished study (killed, or stopped by an error).
-OUTPUTS = ("config.json", "runs.csv", "noise_scale.csv", "spread.md", "spread_vs_lr.png")
+OUTPUTS = (
+    "config.json",
+    "runs.csv",
+    "noise_scale.csv",
+    "spread.md",
+    "spread_vs_lr.png",
+    "frontier.png",
+)
 
 
 def _log(config, message):
@@ -27,10 +34,13 @@ def _log(config, message):
         print(message, flush=True)
 
 
-def run_method(runner, method, kappa, base_lr, weights, xs, ys, chunk, betas=(0.9, 0.999, 1e-7)):
+def run_method(
+    runner, method, kappa, base_lr, weights, xs, ys, chunk, betas=(0.9, 0.999, 1e-7), probe=None
+):
     """One run of `method` with kappa micro-batches per update, from the base
     (kappa = 1) learning rate `base_lr` and `betas` = (beta_1, beta_2,
-    epsilon), on `runner` (a `StudyRunner`): see `StudyRunner.run_segments`.
+    epsilon), on `runner` (a `StudyRunner`): see `StudyRunner.run_segments`
+    (`probe(optimizer)` runs after each chunk).
 
     The betas and epsilon a method uses depend on (method, kappa) only, so
     the compiled loop of a (method, kappa) serves every base learning rate.
@@ -45,7 +55,8 @@ def run_method(runner, method, kappa, base_lr, weights, xs, ys, chunk, betas=(0.
         )
     make = lambda: method_optimizer(method, kappa, 1e-3, *betas)
     segments = [(int(xs.shape[0]), 0, h["learning_rate"])]
-    return runner.run_segments((method, kappa, betas), make, segments, weights, xs, ys, chunk)
+    key = (method, kappa, betas)
+    return runner.run_segments(key, make, segments, weights, xs, ys, chunk, probe=probe)
 
 
 class InvarianceStudy:
@@ -167,6 +178,7 @@ class InvarianceStudy:
             ),
         )
         report.plot_spread(summary_rows, c, workdir / "spread_vs_lr.png")
+        report.plot_frontier(self.rows, c, workdir / "frontier.png")
         for lr in c["plot_learning_rates"]:
             report.plot_method_curves(self.rows, c, lr, workdir / f"curves_lr_{lr:g}.png")
         return {
