@@ -271,3 +271,11 @@ def test_an_unfinished_study_folder_is_reused_others_refused(names, refused, tmp
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="workdir"):
         study._check_workdir(tmp_path / "file" / "out")
+
+
+def test_crossing_lr_interpolates_in_log_log():
+    lrs, values = [1e-4, 1e-3, 1e-2], [0.01, 0.1, 10.0]
+    # Between 1e-3 (0.1) and 1e-2 (10): 1.0 is half way in log value.
+    assert invariance.report.crossing_lr(lrs, values, 1.0) == pytest.approx(math.sqrt(1e-3 * 1e-2))
+    assert invariance.report.crossing_lr(lrs, values, 0.001) == 0.0
+    assert invariance.report.crossing_lr(lrs, values, 100.0) == math.inf

@@ -1,14 +1,14 @@
-"""The sharpness probe's pieces against numpy: power iteration on a known
-quadratic, the stability constants, the log-log crossing (report's, which
-the frontier table uses too)."""
+"""keras_accum.sharpness against numpy and Keras: power iteration on a known
+quadratic, the stability constants, and the preconditioner against the step
+Keras's Adam really takes."""
 
-import math
-
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_accum.experiments.invariance import report, sharpness
+import keras_accum as ka
+from keras_accum import sharpness
 
 
 def test_power_iteration_matches_numpy_on_a_quadratic():
@@ -42,9 +42,47 @@ def test_threshold_times_lr(kappa, rule, expected):
     assert sharpness.threshold_times_lr(kappa, rule) == pytest.approx(expected, rel=1e-12)
 
 
-def test_crossing_lr_interpolates_in_log_log():
-    lrs, values = [1e-4, 1e-3, 1e-2], [0.01, 0.1, 10.0]
-    # Between 1e-3 (0.1) and 1e-2 (10): 1.0 is half way in log value.
-    assert report.crossing_lr(lrs, values, 1.0) == pytest.approx(math.sqrt(1e-3 * 1e-2))
-    assert report.crossing_lr(lrs, values, 0.001) == 0.0
-    assert report.crossing_lr(lrs, values, 100.0) == math.inf
+def _adam_steps(optimizer, rng, count=5):
+    var = keras.Variable(rng.normal(size=(3, 2)).astype("float32"))
+    optimizer.build([var])
+    for _ in range(count):
+        optimizer.apply([tf.constant(rng.normal(size=(3, 2)), "float32")], [var])
+    return var
+
+
+def test_adam_preconditioner_is_the_step_keras_adam_takes():
+    # With epsilon = 0, Adam's step is lr / (1 - beta_1**t) * P^-1 m:
+    # P^-1 = scale**2, from the v after the step.
+    rng = np.random.default_rng(0)
+    adam = keras.optimizers.Adam(0.01, epsilon=0.0)
+    var = _adam_steps(adam, rng)
+    before = var.numpy()
+    adam.apply([tf.constant(rng.normal(size=(3, 2)), "float32")], [var])
+    [scale] = sharpness.adam_preconditioner(adam)
+    t = int(adam.iterations)
+    expected = -0.01 / (1 - 0.9**t) * scale.numpy() ** 2 * adam._momentums[0].numpy()
+    np.testing.assert_allclose(var.numpy() - before, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_adam_preconditioner_of_the_wrappers():
+    # InvariantAdam's rule: v_hat from the products P_2 it applied, equal to
+    # the scaled optimizer's beta_2 ** t; GradientAccumulation: its Adam's.
+    ours = ka.InvariantAdam(0.01, steps=4, scaling_rule="power")
+    scaled = ka.InvariantAdam(steps=4, **ka.scale_hyperparameters(4, "power", 0.01))
+    for opt in (ours, scaled):
+        _adam_steps(opt, np.random.default_rng(1), count=12)
+    a, b = (sharpness.adam_preconditioner(o)[0].numpy() for o in (ours, scaled))
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    wrapped = ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2)
+    _adam_steps(wrapped, np.random.default_rng(2))
+    [inner] = sharpness.adam_preconditioner(wrapped.inner_optimizer)
+    np.testing.assert_array_equal(sharpness.adam_preconditioner(wrapped)[0].numpy(), inner)
+    with pytest.raises(ValueError, match="optimizer=<keras.src.optimizers.sgd.SGD"):
+        sharpness.adam_preconditioner(keras.optimizers.SGD(0.1))
+
+
+@pytest.mark.parametrize("name,value", [("learning_rate", 0.0), ("beta_1", 1.0)])
+def test_stability_threshold_refuses_bad_arguments(name, value):
+    arguments = {"learning_rate": 0.1, "beta_1": 0.9, name: value}
+    with pytest.raises(ValueError, match=f"Received: {name}={value!r}"):
+        sharpness.stability_threshold(**arguments)

@@ -1,83 +1,28 @@
-"""Preconditioned sharpness along kappa = 1 runs: does Adam's stability
-threshold predict where each scaling rule's invariance breaks?
+"""Preconditioned sharpness along the invariance study's runs: does Adam's
+stability threshold predict where each scaling rule's invariance breaks?
 
-Adam with a frozen preconditioner P = diag(sqrt(v_hat) + epsilon) is stable
-on a quadratic while the preconditioned sharpness S = lambda_max(P^-1 H)
-stays below (Cohen et al. 2022, arXiv:2207.14484)
-
-    threshold = (2 + 2 beta_1) / (lr (1 - beta_1)).
-
-`InvariantAdam`'s v (so P) does not depend on kappa, so S measured along the
-kappa = 1 run can be set against the threshold of each rule's kappa = 8
-hyperparameters (lr_k, beta_1,k): a rule should break at kappa = 8 where
+`keras_accum.sharpness` has the measure (S = lambda_max(P^-1 H) by power
+iteration, P from Adam's v) and the threshold (2 + 2 beta_1) /
+(lr (1 - beta_1)). `InvariantAdam`'s v (so P) does not depend on kappa, so S
+measured along the kappa = 1 run can be set against the threshold of each
+rule's kappa = 8 hyperparameters: a rule should break at kappa = 8 where
 S x lr > lr x threshold_rule,8, lr the base rate (a constant per rule).
-
-S is the top eigenvalue of the symmetric P^-1/2 H P^-1/2 (same spectrum as
-P^-1 H), by power iteration on Hessian-vector products (nested tapes) of
-the train loss on a fixed batch; v_hat = v / (1 - beta_2**t) after t
-updates, as in Adam's step size. Measured along an InvariantAdam run at
-kappa = 8 instead, S x lr shows whether that run sits at its own threshold
-(self-stabilisation at the edge of stability).
+Measured along an InvariantAdam run at kappa = 8 instead, S x lr shows
+whether that run sits at its own threshold (self-stabilisation at the edge
+of stability). H is of the train loss on the study's fixed train batch.
 """
 
 import keras
 import tensorflow as tf
 
 import keras_accum as ka
+from keras_accum import sharpness
 from keras_accum.experiments import data
 from keras_accum.experiments.invariance import report
 from keras_accum.experiments.invariance.study import run_method
 from keras_accum.experiments.study_runner import StudyRunner, load_arrays, micro_batch_indices
 
 RULES = ("invariant", "power", "fixed_beta_1")
-
-
-def threshold_times_lr(kappa, rule, beta_1=0.9):
-    """Base lr x the stability threshold of the hyperparameters `rule` gives
-    at `kappa` (lr_k, beta_1,k):
-
-        lr (2 + 2 beta_1,k) / (lr_k (1 - beta_1,k))
-
-    38 at kappa = 1 with beta_1 = 0.9; a constant: lr_k / lr does not depend
-    on lr."""
-    h = ka.scale_hyperparameters(kappa, rule, 1.0, beta_1)
-    return (2 + 2 * h["beta_1"]) / (h["learning_rate"] * (1 - h["beta_1"]))
-
-
-def _dot(a, b):
-    return tf.add_n([tf.reduce_sum(x * y) for x, y in zip(a, b)])
-
-
-def hessian_vector_product(loss_fn, variables, vector):
-    """H u of `loss_fn()` with respect to `variables`: the gradient of g.u."""
-    with tf.GradientTape() as outer:
-        with tf.GradientTape() as inner:
-            loss = loss_fn()
-        grads = inner.gradient(loss, variables)
-        g_dot_u = _dot(grads, vector)
-    return outer.gradient(g_dot_u, variables)
-
-
-def preconditioned_sharpness(loss_fn, variables, scale, iterations, seed=0):
-    """The largest-magnitude eigenvalue of D H D, D = diag(`scale`) (a tensor
-    per variable), by `iterations` steps of power iteration from a seeded
-    random start; the Rayleigh quotient u.(D H D u) of the last unit u.
-    With scale = P^-1/2 it is lambda_max(P^-1 H); with ones, of H."""
-
-    def normalized(u):
-        norm = tf.sqrt(_dot(u, u))
-        return [x / norm for x in u]
-
-    u = normalized(
-        [tf.random.stateless_normal(v.shape, [seed, i]) for i, v in enumerate(variables)]
-    )
-    eigenvalue = tf.constant(0.0)
-    for _ in tf.range(iterations):
-        hu = hessian_vector_product(loss_fn, variables, [d * x for d, x in zip(scale, u)])
-        dhdu = [d * x for d, x in zip(scale, hu)]
-        eigenvalue = _dot(u, dhdu)
-        u = normalized(dhdu)
-    return eigenvalue
 
 
 class SharpnessProbe:
@@ -90,20 +35,17 @@ class SharpnessProbe:
         variables = model.trainable_variables
         x, y = tf.constant(x), tf.constant(y)
         self._top = tf.function(
-            lambda scale: preconditioned_sharpness(
+            lambda scale: sharpness.preconditioned_sharpness(
                 lambda: loss(y, model(x, training=False)), variables, scale, iterations
             )
         )
         self.epsilon, self.rows, self._ones = epsilon, [], [tf.ones_like(v) for v in variables]
 
     def __call__(self, optimizer):
-        t = int(optimizer.iterations.numpy())
-        correction = 1 - float(optimizer.beta_2) ** t
-        # P^-1/2 = 1 / sqrt(sqrt(v_hat) + epsilon)
-        scale = [1 / tf.sqrt(tf.sqrt(v / correction) + self.epsilon) for v in optimizer._velocities]
+        scale = sharpness.adam_preconditioner(optimizer, self.epsilon)
         self.rows.append(
             {
-                "updates": t,
+                "updates": int(optimizer.iterations.numpy()),
                 "hessian_top": float(self._top(self._ones)),
                 "sharpness": float(self._top(scale)),
             }
@@ -179,7 +121,7 @@ def markdown(rows, config, run="kappa=1 (Adam)", kappa=8):
         "|---|---|---|---|---|---|",
     ]
     for k, rule in [(1, "invariant")] + [(kappa, r) for r in RULES]:
-        c = threshold_times_lr(k, rule, beta_1)
+        c = sharpness.threshold_times_lr(k, rule, beta_1)
         beta_1_k = ka.scale_hyperparameters(k, rule, 1.0, beta_1)["beta_1"]
         cells = ["any" if k == 1 else rule, str(k), f"{beta_1_k:.3g}", f"{c:.3g}"]
         cells += [report.format_lr(lrs, report.crossing_lr(lrs, v, c)) for v in (peak, late)]
@@ -195,7 +137,7 @@ def plot(rows, config, png, run="kappa=1 (Adam)", kappa=8):
         curve = [(r["examples"], r["sharpness_x_lr"]) for r in rows if r["learning_rate"] == lr]
         ax.plot(*zip(*curve), "o-", label=f"base lr {lr:g}")
     for k, rule in [(1, "invariant")] + [(kappa, r) for r in RULES]:
-        c = threshold_times_lr(k, rule, config["beta_1"])
+        c = sharpness.threshold_times_lr(k, rule, config["beta_1"])
         ax.axhline(c, color="k", linestyle="--", linewidth=0.8)
         label = f"kappa={k} {rule} " if k > 1 else f"kappa={k} "
         ax.text(1, c, label, transform=ax.get_yaxis_transform(), ha="right", va="bottom")
