@@ -25,11 +25,12 @@ MAX_STEPS = 16
 WINDOW = MAX_STEPS * MICRO_BATCH  # 512: evaluation points are multiples
 
 
+VARIANTS = ("full", "smoke", "charlm", "warmup", "warmup_sweep", "warmup_smoke")
+
+
 def get_config(variant="full"):
-    if variant not in ("full", "smoke", "charlm"):
-        raise ValueError(
-            f"`variant` must be 'full', 'smoke' or 'charlm'. Received: variant={variant!r}"
-        )
+    if variant not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {VARIANTS}. Received: variant={variant!r}")
     config = {
         "dataset": "mnist1d",
         "model": "mlp",
@@ -72,6 +73,39 @@ def get_config(variant="full"):
             switch_learning_rates=[1e-4, 3e-4],
             adaptive_learning_rates=[],
         )
+    elif variant.startswith("warmup"):
+        # The char LM for 12 epochs (3072 micro-batches of 16): kappa = 1
+        # against K = 8, the doubling warmup and AdaptiveSteps(1, 8).
+        config.update(
+            dataset="char_corpus",
+            micro_batch_size=16,
+            train_examples=49152,
+            eval_every=1024,
+            probe_every=1024,
+            train_eval_examples=256,
+            switch_learning_rates=[],
+            adaptive_learning_rates=[],
+            adaptive_max_steps=8,
+            seeds=[0, 1, 2, 3],
+            warmup_learning_rates=[3e-3],  # the best of warmup_sweep
+            warmup_kappa=8,
+            warmup_boundaries=[512, 1024, 2048],
+        )
+        if variant == "warmup_sweep":  # kappa = 1 only, the base lr tuned there
+            config.update(
+                seeds=[0, 1, 2],
+                warmup_learning_rates=[1e-3, 3e-3, 1e-2, 3e-2],
+                warmup_schedules=["kappa=1"],
+            )
+        elif variant == "warmup_smoke":  # a few micro-batches: the code runs
+            config.update(
+                seeds=[0],
+                train_examples=1024,
+                eval_every=128,
+                probe_every=128,
+                warmup_boundaries=[8, 16, 32],
+                verbose=0,
+            )
     else:
         config.update(
             seeds=[0],
