@@ -15,6 +15,17 @@ keras_accum/experiments/schedules_study.py):
     python scripts/schedules_study.py --config saved_configs/batch_size_schedules.py \
         --variant full --workdir runs/schedules-full
 
+    warmup_sweep: the char LM, 12 epochs, kappa = 1 only at base lrs 1e-3,
+    3e-3, 1e-2, 3e-2 and 3 seeds (12 runs); run as two processes (lrs
+    split with --set) then --merge: 7.5 min wall each, 256 s CPU each.
+    warmup: at the best of the sweep (3e-3), 4 seeds, kappa = 1, 8, the
+    doubling warmup and AdaptiveSteps(1, 8) for fixed_beta_1 and sqrt (28
+    runs); two processes (seeds split): 15.3 min wall, 695 s CPU each.
+    python scripts/schedules_study.py --variant warmup --set '{"seeds": [0, 1]}' \
+        --workdir runs/warmup-a   # and [2, 3] in runs/warmup-b, then:
+    python scripts/schedules_study.py --merge runs/warmup-a,runs/warmup-b \
+        --workdir runs/warmup
+
     smoke: 1 seed, 2048 examples per run, one learning rate.
     python scripts/schedules_study.py --config saved_configs/batch_size_schedules.py \
         --variant smoke --workdir runs/schedules-smoke

@@ -130,8 +130,10 @@ def warmup_summary(rows, config, lr):
 
 def _reached(hits):
     got = [h for h in hits if h is not None]
-    part = f" ({len(got)}/{len(hits)} seeds)" if 0 < len(got) < len(hits) else ""
-    return f"{_mean_std(got)[0]:.0f} ± {_mean_std(got)[1]:.0f}{part}" if got else "never"
+    if not got:
+        return "never"
+    part = f" ({len(got)}/{len(hits)} seeds)" if len(got) < len(hits) else ""
+    return f"{np.mean(got):.0f} ± {np.std(got, ddof=min(1, len(got) - 1)):.0f}{part}"
 
 
 def warmup_markdown(rows, config):
@@ -140,13 +142,11 @@ def warmup_markdown(rows, config):
     lines = [
         f"## Batch-size warmup to K = {k} (nothing retuned)",
         "",
-        f"piecewise: kappa {kappas} (micro-steps); adaptive: AdaptiveSteps(1, {k}) fed "
-        "B_simple rounded up to micro-batch x a power of two, probed at every evaluation. "
-        "T = mean over seeds of the kappa=1 run's final test loss (one run, shared by the "
-        "methods), σ its seed std; `to T`, `to T+σ`: serial updates to first reach it, "
-        "interpolated linearly between evaluation points (mean ± std over the seeds that "
-        "do); `saved` = 1 - (mean updates to T+σ) / (kappa=1's updates). Target: T+σ "
-        "reached in every seed with >= 40% fewer updates, where constant kappa=K does not.",
+        f"piecewise: kappa {kappas} (micro-steps); adaptive: AdaptiveSteps(1, {k}), B_simple "
+        "rounded up to micro-batch x 2^n. T, σ: mean, std over seeds of kappa=1's final test "
+        "loss; `to T`, `to T+σ`: updates to first reach it (linear interpolation between "
+        "evaluations; over the seeds that do); `saved` = 1 - (to T+σ) / kappa=1's updates, "
+        "shown when every seed reaches T+σ.",
     ]
     for lr in c["warmup_learning_rates"]:
         (t, sigma), entries = warmup_summary(rows, c, lr)
@@ -160,9 +160,10 @@ def warmup_markdown(rows, config):
             lines.append(
                 f"| {e['method']} | {e['run']} | {e['test_loss'][0]:.4f} ± "
                 f"{e['test_loss'][1]:.4f} | {e['updates'][0]:.0f} ± {e['updates'][1]:.0f} | "
-                f"{_reached(e['to_target'])} | {_reached(hits)} | {saved:.0%} |"
+                f"{_reached(e['to_target'])} | {_reached(hits)} | "
+                + ("— |" if saved != saved else f"{saved:.0%} |")
             )
-            met += [f"{e['method']} {e['run']}"] * bool(saved >= 0.4)
+            met += [f"{e['method']} {e['run']}"] * bool(saved >= 0.4 and e["run"] != "kappa=1")
         lines += ["", f"Reach T+σ in every seed with >= 40% fewer updates: {met or 'none'}."]
     return "\n".join(lines) + "\n"
 
@@ -349,4 +350,5 @@ def merge(workdirs, out):
     write_csv(out / "runs.csv", rows)
     if decisions:
         write_csv(out / "warmup_decisions.csv", decisions)
+    config["warmup_learning_rates"].sort()
     write_report(rows, [], config, out)

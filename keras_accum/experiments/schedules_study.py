@@ -29,6 +29,11 @@ stream of micro-batches (only their grouping into updates changes):
   `probe_windows` probe windows of 8 training micro-batches, drawn with a
   seeded generator), against constant kappa = 1 and kappa = max_steps:
   final losses at equal examples and number of updates.
+* **warmup** (`warmup_learning_rates`): per method (InvariantAdam with each
+  of `warmup_rules`; sqrt, its rule re-applied at every switch) constant
+  kappa = 1 (shared) and K, the doubling 1, 2, ..., K at
+  `warmup_boundaries`, and AdaptiveSteps(1, K): updates to reach kappa = 1's
+  final test loss (`schedules_report.warmup_summary`).
 
 Speed: one compiled loop per optimizer configuration, reused over seeds and
 learning rates by restoring the optimizer's initial variable values.
