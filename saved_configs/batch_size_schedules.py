@@ -20,7 +20,7 @@ keras_accum/experiments/schedules_study.py):
     split with --set) then --merge: 7.5 min wall each, 256 s CPU each.
     warmup: at the best of the sweep (3e-3), 4 seeds, kappa = 1, 8, the
     doubling warmup and AdaptiveSteps(1, 8) for fixed_beta_1 and sqrt (28
-    runs); two processes (seeds split): 15.3 min wall, 695 s CPU each.
+    runs); two processes (seeds split): 15.3 min wall, 690-696 s CPU each.
     python scripts/schedules_study.py --variant warmup --set '{"seeds": [0, 1]}' \
         --workdir runs/warmup-a   # and [2, 3] in runs/warmup-b, then:
     python scripts/schedules_study.py --merge runs/warmup-a,runs/warmup-b \
