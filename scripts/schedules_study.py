@@ -30,7 +30,14 @@ flags.DEFINE_string(
     "saved_configs/batch_size_schedules.py",
     "saved_configs/*.py file or a run folder's config.json.",
 )
-flags.DEFINE_enum("variant", "full", ["full", "smoke", "charlm"], "Which get_config(variant).")
+flags.DEFINE_enum(
+    "variant",
+    "full",
+    ["full", "smoke", "charlm", "warmup", "warmup_sweep", "warmup_smoke"],
+    "Which get_config(variant).",
+)
+flags.DEFINE_string("set", None, "JSON object of config overrides, e.g. '{\"seeds\": [2]}'.")
+flags.DEFINE_list("merge", None, "Workdirs of finished studies: one report of them all.")
 flags.DEFINE_string("workdir", None, "Output folder (default runs/schedules-<variant>-<time>).")
 flags.DEFINE_string("data_dir", None, "TFDS data_dir (mnist1d is built there).")
 
@@ -39,12 +46,18 @@ def main(argv):
     if len(argv) > 1:
         sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
     logging.set_verbosity(logging.WARNING)
-    from keras_accum.experiments import experiment, schedules_study
+    import json
+
+    from keras_accum.experiments import experiment, schedules_report, schedules_study
 
     try:
+        if FLAGS.merge:
+            schedules_report.merge(FLAGS.merge, FLAGS.workdir)
+            return print(f"Table: {FLAGS.workdir}/summary.md")
         config = experiment.load_config_file(FLAGS.config, FLAGS.variant)
         if FLAGS.data_dir:
             config["data_dir"] = FLAGS.data_dir
+        config.update(json.loads(FLAGS.set or "{}"))
         workdir = FLAGS.workdir or os.path.join(
             "runs", f"schedules-{FLAGS.variant}-{time.strftime('%Y%m%d-%H%M%S')}"
         )

@@ -67,6 +67,74 @@ def test_adaptive_window_never_shrinks_and_saves_updates(study):
     assert steps and steps == sorted(steps)
 
 
+# -- the warmup experiment --------------------------------------------------
+
+WARMUP = {
+    "micro_batch_size": 8,
+    "seeds": [0],
+    "train_examples": 256,  # 32 micro-batches
+    "eval_every": 32,
+    "probe_every": 32,
+    "probe_windows": 1,
+    "switch_kappa": 4,
+    "switch_examples": 128,
+    "adaptive_max_steps": 4,
+    "switch_learning_rates": [],
+    "adaptive_learning_rates": [],
+    "warmup_learning_rates": [1e-2],
+    "warmup_kappa": 4,
+    "warmup_boundaries": [8, 16],  # kappa 1, 2 from micro-step 8, 4 from 16
+    "verbose": 0,
+}
+
+
+def test_updates_to_target_interpolates_the_first_crossing():
+    from keras_accum.experiments.schedules_report import updates_to_target
+
+    points = [
+        {"updates": u, "test_loss": v} for u, v in [(0, 3.0), (10, 2.0), (20, 1.0), (30, 2.0)]
+    ]
+    assert updates_to_target(points, 1.5) == 15.0  # half way from 2.0 at 10 to 1.0 at 20
+    assert updates_to_target(points, 1.75) == 12.5
+    assert updates_to_target(points, 3.0) == 0.0
+    assert updates_to_target(points, 0.5) is None
+
+
+def test_warmup_experiment(tmp_path):
+    config = {**WARMUP, "data_dir": str(tmp_path / "tfds")}
+    result = schedules_study.run_study(config, tmp_path / "out")
+    text = (tmp_path / "out" / "summary.md").read_text()
+    assert "## Batch-size warmup to K = 4" in text and "| sqrt | piecewise |" in text
+    assert (tmp_path / "out" / "warmup_lr_0.01.png").exists()
+    ones = curve(result.rows, "warmup", "fixed_beta_1", "kappa=1")
+    assert [r["test_loss"] for r in curve(result.rows, "warmup", "sqrt", "kappa=1").values()] == [
+        r["test_loss"] for r in ones.values()
+    ]  # one kappa=1 run, shared
+    for method in ("fixed_beta_1", "sqrt"):
+        constant = curve(result.rows, "warmup", method, "kappa=4")
+        piecewise = curve(result.rows, "warmup", method, "piecewise")
+        assert constant[256]["updates"] == 32 // 4
+        assert piecewise[256]["updates"] == 8 + 8 // 2 + 16 // 4
+        assert [piecewise[e]["kappa"] for e in (32, 96, 160)] == [1, 2, 4]
+        adaptive = [r["kappa"] for r in curve(result.rows, "warmup", method, "adaptive").values()]
+        assert adaptive == sorted(adaptive) and set(adaptive) <= {1, 2, 4}
+    # The kappa=1 run reaches its own final loss (one seed: T) by its end.
+    from keras_accum.experiments.schedules_report import updates_to_target, warmup_summary
+
+    (target, _), entries = warmup_summary(result.rows, result.config, 1e-2)
+    assert target == ones[256]["test_loss"]
+    points = [ones[e] for e in sorted(ones)]
+    assert entries[0]["to_target"] == [updates_to_target(points, target)]
+    assert 0 < entries[0]["to_target"][0] <= 32
+    for bad, match in [
+        ({"warmup_kappa": 3}, "power of two"),
+        ({"warmup_boundaries": [8]}, "= 2 increasing multiples of 4 micro-steps"),
+        ({"warmup_boundaries": [8, 18]}, "multiples of 4"),
+    ]:
+        with pytest.raises(cfg.ConfigError, match=match):
+            schedules_study.resolve_config({**WARMUP, **bad})
+
+
 # -- the character-level LM --------------------------------------------------
 
 

@@ -1,6 +1,9 @@
 """The batch-size schedules study's analysis: tables and figures
 (see `keras_accum.experiments.schedules_study`)."""
 
+import json
+import pathlib
+
 import numpy as np
 
 from keras_accum.experiments.invariance.report import _pyplot, save_figure
@@ -87,6 +90,106 @@ def _run_order(run):
     return (run == "adaptive", int(run.split("=")[1]) if "=" in run else 0)
 
 
+def updates_to_target(points, target):
+    """Serial updates at which the test loss first gets <= `target`,
+    interpolated linearly between the evaluation points around that first
+    crossing; None if never. `points` in training order."""
+    for before, p in zip([None] + points[:-1], points):
+        if p["test_loss"] <= target:
+            if before is None:
+                return float(p["updates"])
+            f = (before["test_loss"] - target) / (before["test_loss"] - p["test_loss"])
+            return before["updates"] + f * (p["updates"] - before["updates"])
+    return None
+
+
+def warmup_summary(rows, config, lr):
+    """(T, σ): mean, std over seeds of the kappa=1 run's final test loss, and
+    a dict per (method, run): final test loss and updates (mean ± std over
+    seeds), per seed the updates to first reach T (`to_target`) and T + σ."""
+    curves = _curves(rows, "warmup")
+    runs = {}
+    for (method, rate, _, run), points in sorted(curves.items()):
+        if rate == lr:
+            runs.setdefault((method, run), []).append([points[e] for e in sorted(points)])
+    ones = next(v for (_, run), v in runs.items() if run == "kappa=1")
+    target = _mean_std([c[-1]["test_loss"] for c in ones])
+    out = []
+    for method in config["warmup_rules"] + ["sqrt"]:
+        for run in config["warmup_schedules"]:
+            run = run.replace("K", str(config["warmup_kappa"]))
+            seeds, noisy = runs[(method, run)], target[0] + np.nan_to_num(target[1])
+            entry = {"method": method, "run": run}
+            for metric in ("test_loss", "updates"):
+                entry[metric] = _mean_std([c[-1][metric] for c in seeds])
+            for name, t in (("to_target", target[0]), ("to_noise", noisy)):
+                entry[name] = [updates_to_target(c, t) for c in seeds]
+            out.append(entry)
+    return target, out
+
+
+def _reached(hits):
+    got = [h for h in hits if h is not None]
+    if not got:
+        return "never"
+    part = f" ({len(got)}/{len(hits)} seeds)" if len(got) < len(hits) else ""
+    return f"{np.mean(got):.0f} ± {np.std(got, ddof=min(1, len(got) - 1)):.0f}{part}"
+
+
+def warmup_markdown(rows, config):
+    c, k = config, config["warmup_kappa"]
+    kappas = ", ".join(f"{2**i} from {m}" for i, m in enumerate([0] + c["warmup_boundaries"]))
+    lines = [
+        f"## Batch-size warmup to K = {k} (nothing retuned)",
+        "",
+        f"piecewise: kappa {kappas} (micro-steps); adaptive: AdaptiveSteps(1, {k}), B_simple "
+        "rounded up to micro-batch x 2^n. T, σ: mean, std over seeds of kappa=1's final test "
+        "loss; `to T`, `to T+σ`: updates to first reach it (linear interpolation between "
+        "evaluations; over the seeds that do); `saved` = 1 - (to T+σ) / kappa=1's updates, "
+        "shown when every seed reaches T+σ.",
+    ]
+    for lr in c["warmup_learning_rates"]:
+        (t, sigma), entries = warmup_summary(rows, c, lr)
+        full, met = entries[0]["updates"][0], []
+        lines += ["", f"Base lr {lr:g}: T = {t:.4f}, σ = {sigma:.4f}.", ""]
+        lines += ["| method | run | final test loss | updates | to T | to T+σ | saved |"]
+        lines += ["|---|---|---|---|---|---|---|"]
+        for e in entries:
+            hits = e["to_noise"]
+            saved = 1 - np.mean(hits) / full if None not in hits else float("nan")
+            lines.append(
+                f"| {e['method']} | {e['run']} | {e['test_loss'][0]:.4f} ± "
+                f"{e['test_loss'][1]:.4f} | {e['updates'][0]:.0f} ± {e['updates'][1]:.0f} | "
+                f"{_reached(e['to_target'])} | {_reached(hits)} | "
+                + ("— |" if saved != saved else f"{saved:.0%} |")
+            )
+            met += [f"{e['method']} {e['run']}"] * bool(saved >= 0.4 and e["run"] != "kappa=1")
+        lines += ["", f"Reach T+σ in every seed with >= 40% fewer updates: {met or 'none'}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_warmup(rows, config, lr, png):
+    """Test loss versus serial updates and versus examples, mean over seeds."""
+    plt = _pyplot()
+    curves = _curves(rows, "warmup")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for method, run in sorted({(k[0], k[3]) for k in curves if k[1] == lr}):
+        if run != "kappa=1" or method == config["warmup_rules"][0]:  # kappa=1: shared
+            label = "kappa=1" if run == "kappa=1" else f"{method} {run}"
+            for ax, x in zip(axes, ("updates", "examples")):
+                xs, ys = _mean_curve(curves, method, lr, run, "test_loss", x=x)
+                ax.plot(xs[1:], ys[1:], "--" if method == "sqrt" else "-", label=label)
+    for ax, x in zip(axes, ("serial updates (log)", "examples seen")):
+        ax.set(xlabel=x, ylabel="validation (test) loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_xscale("log")
+    fig.suptitle(f"warmup to K = {config['warmup_kappa']}, base lr {lr:g}, mean over seeds")
+    fig.tight_layout()
+    save_figure(fig, png)
+    plt.close(fig)
+
+
 def markdown(switch_rows, adaptive_rows, config, decisions):
     c = config
     lines = [
@@ -95,6 +198,10 @@ def markdown(switch_rows, adaptive_rows, config, decisions):
         f"{c['train_examples']} examples per run, evaluated every {c['eval_every']}; "
         f"mean ± seed std over seeds {c['seeds']}.",
         "",
+    ]
+    if not c["switch_learning_rates"] and not c["adaptive_learning_rates"]:
+        return "\n".join(lines)
+    lines += [
         f"## Switch kappa = 1 -> {c['switch_kappa']} at {c['switch_examples']} examples",
         "",
         "Over the evaluation points after the switch: `spread const` = mean |kappa=1 - "
@@ -214,10 +321,41 @@ def plot_adaptive(rows, config, lr, png):
 def write_report(rows, decisions, config, workdir):
     switch_rows = switch_summary(rows, config)
     adaptive_rows = adaptive_summary(rows, config)
-    atomic.atomic_write_text(
-        workdir / "summary.md", markdown(switch_rows, adaptive_rows, config, decisions)
-    )
+    text = markdown(switch_rows, adaptive_rows, config, decisions)
+    if config["warmup_learning_rates"]:
+        text += "\n" + warmup_markdown(rows, config)
+    atomic.atomic_write_text(workdir / "summary.md", text)
+    for lr in config["warmup_learning_rates"]:
+        plot_warmup(rows, config, lr, workdir / f"warmup_lr_{lr:g}.png")
     for lr in config["switch_learning_rates"]:
         plot_switch(rows, config, lr, workdir / f"switch_lr_{lr:g}.png")
     for lr in config["adaptive_learning_rates"]:
         plot_adaptive(rows, config, lr, workdir / f"adaptive_lr_{lr:g}.png")
+
+
+def merge(workdirs, out):
+    """One report of finished studies run apart (seeds or warmup lrs split
+    over processes): their rows, seeds and lrs together, else the first
+    one's config."""
+    from keras_accum.experiments.invariance.report import write_csv
+
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config, rows, decisions = None, [], []
+    for workdir in map(pathlib.Path, workdirs):
+        part = json.loads((workdir / "config.json").read_text())
+        config = config or {**part, "seeds": [], "warmup_learning_rates": []}
+        for key in ("seeds", "warmup_learning_rates"):
+            config[key] += [s for s in part[key] if s not in config[key]]
+        for name, out_rows in (("runs.csv", rows), ("warmup_decisions.csv", decisions)):
+            if (workdir / name).exists():
+                table = np.genfromtxt(
+                    workdir / name, delimiter=",", names=True, dtype=None, encoding=None
+                )
+                out_rows += [dict(zip(table.dtype.names, r)) for r in table.tolist()]
+    atomic.atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    write_csv(out / "runs.csv", rows)
+    if decisions:
+        write_csv(out / "warmup_decisions.csv", decisions)
+    config["warmup_learning_rates"].sort()
+    write_report(rows, [], config, out)

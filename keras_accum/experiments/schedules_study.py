@@ -29,6 +29,11 @@ stream of micro-batches (only their grouping into updates changes):
   `probe_windows` probe windows of 8 training micro-batches, drawn with a
   seeded generator), against constant kappa = 1 and kappa = max_steps:
   final losses at equal examples and number of updates.
+* **warmup** (`warmup_learning_rates`): per method (InvariantAdam with each
+  of `warmup_rules`; sqrt, its rule re-applied at every switch) constant
+  kappa = 1 (shared) and K, the doubling 1, 2, ..., K at
+  `warmup_boundaries`, and AdaptiveSteps(1, K): updates to reach kappa = 1's
+  final test loss (`schedules_report.warmup_summary`).
 
 Speed: one compiled loop per optimizer configuration, reused over seeds and
 learning rates by restoring the optimizer's initial variable values.
@@ -58,10 +63,16 @@ from keras_accum.training import atomic
 F = cfg.Field
 _POSITIVE = F("", "float", 1e-3, "", minimum=0.0, open_minimum=True)
 _METHODS = ("invariant", "power", "sqrt")
+_SCHEDULES = ("kappa=1", "kappa=K", "piecewise", "adaptive")
+_DECISION_KEYS = ("method", "seed", "learning_rate", "micro_step", "b_simple", "steps")
 
 
 def _fraction(name, default, help):
     return F(name, "float", default, help, minimum=0.0, maximum=1.0, open_maximum=True)
+
+
+def _names(name, default, help, choices):
+    return F(name, "list", default, help, item=F("", "str", "", "", choices=choices))
 
 
 def _examples(name, default, help):
@@ -97,16 +108,29 @@ FIELDS = [
     _examples("probe_every", 1024, "Examples between B_simple probes"),
     F("probe_windows", "int", 4, "Probe windows per estimate", minimum=1),
     _fraction("probe_ema", 0.9, "EMA of the B_simple estimates"),
-    # AdaptiveSteps' own smoothing and settling: off by default, the probes'
-    # EMA already smooths (the published study ran without them).
-    F("adaptive_smoothing", "float", 0.0, "AdaptiveSteps smoothing", minimum=0.0, maximum=0.99),
-    F("adaptive_min_observations", "int", 1, "AdaptiveSteps min_observations", minimum=1),
+    # AdaptiveSteps' keyword arguments in both experiments. The published
+    # runs used the first rule (no smoothing of its own: the probes' EMA
+    # smooths; a decision from the first estimate).
+    F(
+        "adaptive_kwargs",
+        "dict",
+        {"smoothing": 0.0, "min_observations": 1},
+        "AdaptiveSteps smoothing, min_observations",
+    ),
+    # warmup experiment (off while warmup_learning_rates is empty)
+    F("warmup_learning_rates", "list", [], "Base lrs", minimum=0, item=_POSITIVE),
+    F("warmup_kappa", "int", 8, "Largest kappa K (a power of two)", minimum=1),
+    _names("warmup_rules", ["fixed_beta_1"], "InvariantAdam rules", ka.scaling.SCALING_RULES[:-1]),
+    _names("warmup_schedules", list(_SCHEDULES), "Runs (with sqrt too)", _SCHEDULES),
+    F("warmup_boundaries", "list", [64, 192, 448], "Micro-steps where kappa doubles", minimum=0),
     F("verbose", "int", 1, "1: a line per run, 0: silent", choices=(0, 1)),
 ]
 
 
 def _check_windows(c):
-    window = max(c["switch_kappa"], c["adaptive_max_steps"]) * c["micro_batch_size"]
+    kappas = [c["switch_kappa"], c["adaptive_max_steps"]]
+    window = max(kappas + [c["warmup_kappa"]] * bool(c["warmup_learning_rates"]))
+    window *= c["micro_batch_size"]
     for key in ("eval_every", "switch_examples", "train_examples", "probe_every"):
         if c[key] % window:
             raise cfg.ConfigError(
@@ -115,7 +139,29 @@ def _check_windows(c):
             )
 
 
-SCHEMA = cfg.Schema("schedules study", FIELDS, [_check_windows])
+def _check_warmup(c):
+    k, bounds, b = c["warmup_kappa"], c["warmup_boundaries"], c["micro_batch_size"]
+    if k & (k - 1) and c["warmup_learning_rates"]:
+        raise cfg.ConfigError(f"`warmup_kappa` must be a power of two. Received: warmup_kappa={k}")
+    n, chunk, total = k.bit_length() - 1, c["eval_every"] // b, c["train_examples"] // b
+    ok = len(bounds) == n and bounds == sorted(set(bounds)) and bounds[-1:] < [total]
+    if c["warmup_learning_rates"] and not (ok and all(m > 0 and m % chunk == 0 for m in bounds)):
+        raise cfg.ConfigError(
+            f"`warmup_boundaries` must be log2(warmup_kappa) = {n} increasing multiples of "
+            f"{chunk} micro-steps (eval_every / micro_batch_size) below {total} (train_examples"
+            f" / micro_batch_size). Received: warmup_boundaries={bounds!r}"
+        )
+
+
+def _check_adaptive(c):
+    try:
+        ka.AdaptiveSteps(1, 2, c["micro_batch_size"], **c["adaptive_kwargs"])
+    except (TypeError, ValueError) as e:
+        message = str(e).splitlines()[0]
+        raise cfg.ConfigError(f"adaptive_kwargs={c['adaptive_kwargs']!r}: {message}") from None
+
+
+SCHEMA = cfg.Schema("schedules study", FIELDS, [_check_windows, _check_warmup, _check_adaptive])
 DEFAULTS = SCHEMA.defaults()
 
 
@@ -134,7 +180,7 @@ def method_optimizer(method, steps, c):
     when `steps` is an int, the kappa = 1 ones for a schedule."""
     base = {"learning_rate": 1e-3, "beta_1": c["beta_1"], "beta_2": c["beta_2"]}
     base["epsilon"] = c["epsilon"]
-    if method in ("invariant", "power"):
+    if method != "sqrt":
         return optimizers.build("invariant_adam", steps, base, scaling_rule=method)
     kappa = steps if isinstance(steps, int) else 1
     h = ka.scale_hyperparameters(kappa, "sqrt", **base)
@@ -169,7 +215,7 @@ class SchedulesStudy:
             {"train": (self.x_train[:n], self.y_train[:n]), "test": test},
             build=build,
         )
-        self.rows, self.decisions = [], []
+        self.rows, self.decisions, self.warmup_decisions = [], [], []
 
     def _log(self, message):
         if self.config["verbose"]:
@@ -187,6 +233,8 @@ class SchedulesStudy:
                 self._switch_runs(seed, lr, weights, stream)
             for lr in c["adaptive_learning_rates"]:
                 self._adaptive_runs(seed, lr, weights, stream)
+            for lr in c["warmup_learning_rates"]:
+                self._warmup_runs(seed, lr, weights, stream)
 
     def _record(self, experiment, method, run, lr, seed, points):
         for p in points:
@@ -207,38 +255,46 @@ class SchedulesStudy:
             f"updates {end['updates']}"
         )
 
-    def _switch_runs(self, seed, lr, weights, stream):
+    def _switch_runs(self, seed, lr, weights, stream, warmup=False):
+        """kappa = 1, kappa = K and a piecewise schedule per method: the
+        switch 1 -> switch_kappa, or (`warmup`) the doubling 1, 2, ..., K at
+        `warmup_boundaries` with the kappa = 1 run shared (Adam for all).
+        `sqrt` re-applies its rule at every switch: a phase per segment."""
         c = self.config
-        b, kappa = c["micro_batch_size"], c["switch_kappa"]
-        total, switch = c["train_examples"] // b, c["switch_examples"] // b
-        chunk = c["eval_every"] // b
-        for method in c["switch_methods"]:
+        b = c["micro_batch_size"]
+        total, chunk = c["train_examples"] // b, c["eval_every"] // b
+        if warmup:
+            k, bounds = c["warmup_kappa"], c["warmup_boundaries"]
+            kappas = [2**i for i in range(len(bounds) + 1)]
+            methods, names = c["warmup_rules"] + ["sqrt"], ("kappa=1", "kappa=K", "piecewise")
+        else:
+            k, bounds = c["switch_kappa"], [c["switch_examples"] // b]
+            kappas, methods, names = [1, k], c["switch_methods"], ("kappa=1", "kappa=K", "switch")
+        experiment, ones = ("warmup" if warmup else "switch"), None
+        for method in methods:
             sqrt = method == "sqrt"
-            for run, steps in (
-                ("kappa=1", 1),
-                (f"kappa={kappa}", kappa),
-                ("switch", ka.PiecewiseSteps([switch], [1, kappa])),
-            ):
-                if method == "power" and steps == 1:
-                    continue  # identical to invariant at kappa = 1
+            for name, steps in zip(names, (1, k, ka.PiecewiseSteps(bounds, kappas))):
+                run = f"kappa={k}" if name == "kappa=K" else name
+                if warmup and name not in c["warmup_schedules"]:
+                    continue
+                if steps == 1 and ones and (method == "power" or warmup):
+                    self._record(experiment, method, run, lr, seed, ones)
+                    continue  # power is invariant at kappa = 1
                 phases, segments = (), [(total, 0, lr)]
-                if sqrt and steps == kappa:
-                    segments = [(total, 0, _sqrt_learning_rate(lr, kappa))]
-                if run == "switch":
-                    segments = [(switch, 0, lr), (total - switch, 1, lr)]
-                    if sqrt:
-                        phases = (functools.partial(_apply_sqrt_rule, kappa=kappa),)
-                        segments[1] = (total - switch, 1, _sqrt_learning_rate(lr, kappa))
-                    else:  # the schedule alone switches; one loop
-                        segments = [(total, 0, lr)]
-                key = ("switch", method, run)
+                if sqrt and steps == k:
+                    segments = [(total, 0, _sqrt_learning_rate(lr, k))]
+                if sqrt and name == names[2]:  # else the schedule alone switches
+                    edges = enumerate(zip([0] + bounds, bounds + [total], kappas))
+                    segments = [(e - s, i, _sqrt_learning_rate(lr, v)) for i, (s, e, v) in edges]
+                    phases = [functools.partial(_apply_sqrt_rule, kappa=v, c=c) for v in kappas]
+                    phases = tuple(phases[1:])
                 make = functools.partial(method_optimizer, method, steps, c)
                 points = self.trainer.run_segments(
-                    key, make, segments, weights, *stream, chunk, phases
+                    (experiment, method, run), make, segments, weights, *stream, chunk, phases
                 )
-                self._record("switch", method, run, lr, seed, points)
-                if method == "invariant" and steps == 1 and "power" in c["switch_methods"]:
-                    self._record("switch", "power", run, lr, seed, points)
+                self._record(experiment, method, run, lr, seed, points)
+                if steps == 1 and (warmup or not sqrt):
+                    ones = points
 
     def _adaptive_runs(self, seed, lr, weights, stream):
         c = self.config
@@ -264,10 +320,52 @@ class SchedulesStudy:
                 for decision in opt.steps.decisions:  # adaptive_steps.Decision records
                     self.decisions.append({"seed": seed, "learning_rate": lr, **decision._asdict()})
 
-    def _prober(self, seed):
+    def _warmup_runs(self, seed, lr, weights, stream):
+        """The warmup's constant and piecewise runs (`_switch_runs`), then
+        AdaptiveSteps(1, K) per method, probed at every evaluation."""
+        c = self.config
+        self._switch_runs(seed, lr, weights, stream, warmup=True)
+        if "adaptive" not in c["warmup_schedules"]:
+            return
+        b, k = c["micro_batch_size"], c["warmup_kappa"]
+        total, chunk = c["train_examples"] // b, c["eval_every"] // b
+        for method in c["warmup_rules"] + ["sqrt"]:
+            key = ("warmup", method, "adaptive")
+            self.trainer.forget(key)  # A schedule object is per optimizer.
+            steps = _adaptive_steps(c, k)
+            make = functools.partial(method_optimizer, method, steps, c)
+            if method == "sqrt":  # variables: the one trace follows the rule
+                make = functools.partial(_variable_hyperparameters, make)
+            probe = self._warmup_probe(seed, lr, method)
+            points = self.trainer.run_segments(
+                key, make, [(total, 0, lr)], weights, *stream, chunk, probe=probe
+            )
+            self._record("warmup", method, "adaptive", lr, seed, points)
+
+    def _warmup_probe(self, seed, lr, method):
+        """`_prober` rounding B_simple up to micro-batch x a power of two
+        (every window divides K and the chunks: a change takes effect with
+        the next window, at a chunk start); logs the decisions; for sqrt
+        re-applies the rule when the size changes."""
+        probe = self._prober(seed, powers_of_two=True)
+
+        def warmup_probe(optimizer):
+            before, b_simple = int(optimizer.steps.steps), probe(optimizer)
+            after, step = int(optimizer.steps.steps), int(optimizer.micro_step)
+            assert int(optimizer._window_end) == step, "a window straddles the chunk end"
+            if method == "sqrt" and after != before:
+                _apply_sqrt_rule(optimizer, after, self.config)
+                optimizer.learning_rate = _sqrt_learning_rate(lr, after)
+            record = (method, seed, lr, step, b_simple, after)
+            self.warmup_decisions.append(dict(zip(_DECISION_KEYS, record)))
+
+        return warmup_probe
+
+    def _prober(self, seed, powers_of_two=False):
         """Every call: B_simple from `probe_windows` windows of 8 seeded
         training micro-batches at the current weights, smoothed over calls;
-        fed to the optimizer's AdaptiveSteps."""
+        fed to the optimizer's AdaptiveSteps (rounded up to micro-batch x a
+        power of two with `powers_of_two`); returns the value fed."""
         c, trainer = self.config, self.trainer
         b, kappa = c["micro_batch_size"], 8
         tracker = diagnostics.GradientNoiseScale(c["probe_ema"])
@@ -282,7 +380,11 @@ class SchedulesStudy:
             for _ in range(c["probe_windows"]):
                 idx = rng.choice(len(self.x_train), kappa * b, replace=False).reshape(kappa, b)
                 window(tf.constant(self.x_train[idx]), tf.constant(self.y_train[idx]))
-            optimizer.steps.observe(tracker.b_simple)
+            value = float(tracker.b_simple)
+            if powers_of_two and np.isfinite(value):
+                value = b * 2 ** np.ceil(np.log2(max(value / b, 1.0)))
+            optimizer.steps.observe(value)
+            return value
 
         return probe
 
@@ -295,6 +397,8 @@ class SchedulesStudy:
         write_csv(workdir / "runs.csv", self.rows)
         if self.decisions:  # none without adaptive runs
             write_csv(workdir / "decisions.csv", self.decisions)
+        if self.warmup_decisions:
+            write_csv(workdir / "warmup_decisions.csv", self.warmup_decisions)
         seconds = time.time() - self.started
         cpu = time.process_time() - self.cpu_started
         schedules_report.write_report(self.rows, self.decisions, self.config, workdir)
@@ -307,23 +411,31 @@ class SchedulesStudy:
         atomic.atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
-def _adaptive_steps(c, top, warmup=None):
+def _adaptive_steps(c, top):
     """The study's `AdaptiveSteps` from 1 to `top` micro-batches."""
-    return ka.AdaptiveSteps(
-        1,
-        top,
-        c["micro_batch_size"],
-        smoothing=c["adaptive_smoothing"],
-        min_observations=c["adaptive_min_observations"],
-        warmup=warmup,
-    )
+    return ka.AdaptiveSteps(1, top, c["micro_batch_size"], **c["adaptive_kwargs"])
 
 
-def _apply_sqrt_rule(optimizer, kappa):
-    """The square-root rule re-applied to the inner Adam at the switch."""
+def _apply_sqrt_rule(optimizer, kappa, c):
+    """The square-root rule for `kappa` (from the config's kappa = 1 values)
+    set on the inner Adam, or assigned (`_variable_hyperparameters`)."""
     inner = optimizer.inner_optimizer
-    h = ka.scale_hyperparameters(kappa, "sqrt", 1.0, inner.beta_1, inner.beta_2, inner.epsilon)
-    inner.beta_1, inner.beta_2, inner.epsilon = h["beta_1"], h["beta_2"], h["epsilon"]
+    h = ka.scale_hyperparameters(kappa, "sqrt", 1.0, c["beta_1"], c["beta_2"], c["epsilon"])
+    for name in ("beta_1", "beta_2", "epsilon"):
+        if isinstance(getattr(inner, name), tf.Variable):
+            getattr(inner, name).assign(h[name])
+        else:
+            setattr(inner, name, h[name])
+
+
+def _variable_hyperparameters(make):
+    """`make()` with its inner Adam's betas and epsilon variables: one trace
+    follows their changes."""
+    optimizer = make()
+    inner = optimizer.inner_optimizer
+    for name in ("beta_1", "beta_2", "epsilon"):
+        setattr(inner, name, tf.Variable(getattr(inner, name), trainable=False, dtype="float32"))
+    return optimizer
 
 
 def run_study(config, workdir):
