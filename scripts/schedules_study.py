@@ -30,12 +30,7 @@ flags.DEFINE_string(
     "saved_configs/batch_size_schedules.py",
     "saved_configs/*.py file or a run folder's config.json.",
 )
-flags.DEFINE_enum(
-    "variant",
-    "full",
-    ["full", "smoke", "charlm", "warmup", "warmup_sweep", "warmup_smoke"],
-    "Which get_config(variant).",
-)
+flags.DEFINE_string("variant", "full", "Which get_config(variant) (the config file checks it).")
 flags.DEFINE_string("set", None, "JSON object of config overrides, e.g. '{\"seeds\": [2]}'.")
 flags.DEFINE_list("merge", None, "Workdirs of finished studies: one report of them all.")
 flags.DEFINE_string("workdir", None, "Output folder (default runs/schedules-<variant>-<time>).")
