@@ -130,6 +130,11 @@ def test_warmup_experiment(tmp_path):
         ({"warmup_kappa": 3}, "power of two"),
         ({"warmup_boundaries": [8]}, "= 2 increasing multiples of 4 micro-steps"),
         ({"warmup_boundaries": [8, 18]}, "multiples of 4"),
+        (
+            {"adaptive_kwargs": {"smoothin": 0.9}},
+            r"adaptive_kwargs=\{'smoothin': 0.9\}: .*'smoothin'",
+        ),
+        ({"adaptive_kwargs": {"min_observations": 0}}, "Received: min_observations=0"),
     ]:
         with pytest.raises(cfg.ConfigError, match=match):
             schedules_study.resolve_config({**WARMUP, **bad})
