@@ -99,6 +99,10 @@ class AdaptiveSteps(StepsSchedule):
             every gain, and each estimate costs probe passes.
         warmup: None, or a `PiecewiseSteps` with at least one boundary and
             values <= max_steps: the sizes until its last boundary.
+        powers_of_two: round each decided size up to a power of two (then
+            min_steps and max_steps must be powers of two): every size
+            divides max_steps, so windows end where any multiple of
+            max_steps micro-steps ends (evaluations, epochs).
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class AdaptiveSteps(StepsSchedule):
         smoothing: float = 0.9,
         min_observations: int = 4,
         warmup: PiecewiseSteps | None = None,
+        powers_of_two: bool = False,
     ):
         self._floor = check_int("min_steps", min_steps)
         self.max_steps = check_int("max_steps", max_steps)
@@ -123,6 +128,16 @@ class AdaptiveSteps(StepsSchedule):
         )
         self.min_observations = check_int("min_observations", min_observations)
         self.warmup = _check_warmup(warmup, self.max_steps)
+        if not isinstance(powers_of_two, bool):
+            raise ValueError(
+                f"`powers_of_two` must be True or False. Received: powers_of_two={powers_of_two!r}"
+            )
+        if powers_of_two and any(n & (n - 1) for n in (self._floor, self.max_steps)):
+            raise ValueError(
+                "With powers_of_two=True, `min_steps` and `max_steps` must be powers of two. "
+                f"Received: min_steps={min_steps!r}, max_steps={max_steps!r}"
+            )
+        self.powers_of_two = bool(powers_of_two)
         warmup_values = self.warmup.values if self.warmup else []
         self.min_steps = min([self._floor, *warmup_values])
         self.decisions: list[Decision] = []
@@ -210,6 +225,9 @@ class AdaptiveSteps(StepsSchedule):
         count = tf.convert_to_tensor(self._count) + tf.cast(finite, tf.int64)
         smoothed = self._average(ema, count)
         target = tf.math.ceil(smoothed / self.micro_batch_size)
+        if self.powers_of_two:  # 2 ** ceil(log2(target)), exact for powers of two
+            exponent = tf.math.ceil(tf.math.log(tf.maximum(target, f64(1.0))) / math.log(2) - 1e-9)
+            target = tf.pow(f64(2.0), exponent)
         target = tf.clip_by_value(target, f64(self._floor), f64(self.max_steps))
         # Unsettled (this includes no estimate yet, B_n nan): no change.
         target = tf.where(count >= self.min_observations, target, f64(0.0))
@@ -255,6 +273,7 @@ class AdaptiveSteps(StepsSchedule):
             "smoothing": self.smoothing,
             "min_observations": self.min_observations,
             "warmup": warmup,
+            "powers_of_two": self.powers_of_two,
         }
 
     @classmethod
@@ -268,7 +287,8 @@ class AdaptiveSteps(StepsSchedule):
         return (
             f"AdaptiveSteps(min_steps={self._floor}, max_steps={self.max_steps}, "
             f"micro_batch_size={self.micro_batch_size}, smoothing={self.smoothing}, "
-            f"min_observations={self.min_observations}, warmup={self.warmup!r})"
+            f"min_observations={self.min_observations}, warmup={self.warmup!r}, "
+            f"powers_of_two={self.powers_of_two})"
         )
 
 

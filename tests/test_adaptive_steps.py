@@ -16,7 +16,7 @@ from keras_accum import schedules
 NAN, INF = float("nan"), float("inf")
 
 
-def np_adaptive(estimates, floor, top, unit, s, settle, first):
+def np_adaptive(estimates, floor, top, unit, s, settle, first, pow2=False):
     """(B_n, n, steps) after each estimate: a_n = s a + (1 - s) clip(b, 0,
     top x unit) over the non-nan estimates, B_n = a_n / (1 - s^n), and once
     n >= settle, steps = max(steps, clip(ceil(B_n / unit), floor, top))."""
@@ -27,7 +27,10 @@ def np_adaptive(estimates, floor, top, unit, s, settle, first):
             n += 1
         smoothed = acc / (1 - s**n) if n else NAN
         if n >= settle:
-            steps = max(steps, min(max(math.ceil(smoothed / unit), floor), top))
+            target = math.ceil(smoothed / unit)
+            if pow2:  # the next power of two
+                target = 2 ** math.ceil(math.log2(max(target, 1)))
+            steps = max(steps, min(max(target, floor), top))
         out.append((smoothed, n, steps))
     return out
 
@@ -56,6 +59,17 @@ def test_observe_matches_the_reference(smoothing, settle):
     smoothed, n, steps = expected[-1]
     assert (int(schedule.steps), int(schedule.observations)) == (steps, n)
     np.testing.assert_allclose(float(schedule.smoothed), smoothed, rtol=1e-12)
+
+
+def test_powers_of_two_round_the_decided_size_up():
+    schedule = ka.AdaptiveSteps(2, 16, 32, smoothing=0.5, min_observations=2, powers_of_two=True)
+    built(schedule)
+    estimates = ESTIMATES + [200.0, 300.0, 2000.0]
+    expected = np_adaptive(estimates, 2, 16, 32, 0.5, 2, first=2, pow2=True)
+    sizes = [int(schedule.observe(b)) for b in estimates]
+    assert sizes == [steps for _, _, steps in expected]
+    assert set(sizes) <= {2, 4, 8, 16} and len(set(sizes)) > 2
+    assert schedule.get_config()["powers_of_two"] is True
 
 
 def test_defaults_wait_for_four_estimates():
@@ -202,7 +216,8 @@ def test_config_and_bounds_cover_the_warmup():
         == repr(schedule)
         == (
             "AdaptiveSteps(min_steps=3, max_steps=8, micro_batch_size=16, smoothing=0.0, "
-            "min_observations=2, warmup=PiecewiseSteps(boundaries=[4], values=[1, 2]))"
+            "min_observations=2, warmup=PiecewiseSteps(boundaries=[4], values=[1, 2]), "
+            "powers_of_two=False)"
         )
     )
     opt = built(clone)
@@ -229,6 +244,9 @@ def test_config_and_bounds_cover_the_warmup():
         ("min_steps", {"min_steps": 0}, "min_steps=0"),
         ("micro_batch_size", {"micro_batch_size": 0.5}, "micro_batch_size=0.5"),
         ("max_steps", {"min_steps": 9}, "min_steps=9, max_steps=8"),
+        ("powers_of_two", {"powers_of_two": 1}, "powers_of_two=1"),
+        ("min_steps", {"powers_of_two": True, "min_steps": 3}, "min_steps=3, max_steps=8"),
+        ("max_steps", {"powers_of_two": True, "max_steps": 12}, "min_steps=1, max_steps=12"),
     ],
 )
 def test_refuses_bad_arguments(name, kwargs, echo):
