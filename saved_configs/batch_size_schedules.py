@@ -25,6 +25,9 @@ keras_accum/experiments/schedules_study.py):
         --workdir runs/warmup-a   # and [2, 3] in runs/warmup-b, then:
     python scripts/schedules_study.py --merge runs/warmup-a,runs/warmup-b \
         --workdir runs/warmup
+    warmup_settled: kappa = 1 and AdaptiveSteps with its smoothing and
+    settling (powers of two) for fixed_beta_1, power and sqrt, 4 seeds (16
+    runs); two processes (seeds split): 8.4 min wall, 500 s CPU each.
 
     smoke: 1 seed, 2048 examples per run, one learning rate.
     python scripts/schedules_study.py --config saved_configs/batch_size_schedules.py \
