@@ -303,7 +303,8 @@ class InvariantAdam(AdamFamily):
         momentum rho_k = ema_momentum ** kappa_k (a fixed rate per example)."""
         if self.scaling_rule is None:
             return super()._update_model_variables_moving_average(trainable_variables)
-        kappa = self._window_factors(_replicas.count())[0] * _replicas.count()
+        steps = self.window_steps  # kappa_k = steps x replicas
+        kappa = (steps if isinstance(steps, int) else tf.cast(steps, "float32")) * _replicas.count()
         if isinstance(kappa, int):
             rho = self.ema_momentum**kappa  # a Python float, as Keras's
         else:

@@ -121,7 +121,7 @@ def get_config(variant="full"):
             )
         elif variant == "warmup_settled":  # AdaptiveSteps' smoothing and settling
             config.update(
-                adaptive_kwargs={"smoothing": 0.9, "min_observations": 4, "powers_of_two": True},
+                adaptive_kwargs={"smoothing": 0.9, "min_observations": 4},
                 warmup_rules=["fixed_beta_1", "power"],
                 warmup_schedules=["kappa=1", "adaptive"],
             )

@@ -151,23 +151,37 @@ def run_schedule(opt, rng, shape=(3, 2)):
     return theta, windows, after, step.experimental_get_tracing_count()
 
 
+# With `decay_and_ema`, the weights' average uses momentum rho ** kappa_k
+# under a rule and the decay is lr_k * weight_decay.
+DECAY_AND_EMA = {"weight_decay": 0.5, "use_ema": True, "ema_momentum": 0.7}
+
+
+@pytest.mark.parametrize("decay_and_ema", [False, True])
 @pytest.mark.parametrize("rule", [None, *RULES])
-def test_invariant_adam_matches_reference(rule):
+def test_invariant_adam_matches_reference(rule, decay_and_ema):
+    extra = DECAY_AND_EMA if decay_and_ema else {}
     opt = ka.InvariantAdam(
         0.02,
         beta_1=0.8,
         beta_2=0.95,
         steps=ka.PiecewiseSteps(BOUNDARIES, VALUES),
         scaling_rule=rule,
+        **extra,
     )
     theta, windows, after, traces = run_schedule(opt, np.random.default_rng(1))
     assert sorted({len(w) for w in windows}) == [1, 2, 4]
     assert traces == 1  # the size changes without retracing
+    reference = {"weight_decay": 0.5, "ema": 0.7} if decay_and_ema else {}
     for k in range(len(windows)):
         expected = references.scheduled_invariant_adam(
-            theta, windows[: k + 1], 0.02, 0.8, 0.95, rule=rule
+            theta, windows[: k + 1], 0.02, 0.8, 0.95, rule=rule, **reference
         )
+        if decay_and_ema:
+            expected, average = expected
         np.testing.assert_allclose(after[k], expected, rtol=1e-5, atol=1e-6)
+    if decay_and_ema:
+        [ours] = opt._model_variables_moving_average
+        np.testing.assert_allclose(ours.numpy(), average, rtol=1e-5, atol=1e-6)
 
 
 def test_invariant_rule_lr_schedule_sees_micro_batches_consumed():
@@ -186,31 +200,6 @@ def test_invariant_rule_lr_schedule_sees_micro_batches_consumed():
         theta, windows, None, 0.9, 0.999, rule="invariant", lr_fn=lr_fn
     )
     np.testing.assert_allclose(after[-1], expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("rule", [None, *RULES])
-def test_ema_and_weight_decay_follow_the_window_size(rule):
-    # Windows of 1, 1, 1, 2, 2, 4, 4: with a rule, the weights' average
-    # uses momentum rho ** kappa_k and the decay lr_k * weight_decay.
-    opt = ka.InvariantAdam(
-        0.02,
-        beta_1=0.8,
-        beta_2=0.95,
-        steps=ka.PiecewiseSteps(BOUNDARIES, VALUES),
-        scaling_rule=rule,
-        weight_decay=0.5,
-        use_ema=True,
-        ema_momentum=0.7,
-    )
-    theta, windows, after, traces = run_schedule(opt, np.random.default_rng(5))
-    assert traces == 1
-    for k in range(len(windows)):
-        expected, average = references.scheduled_invariant_adam(
-            theta, windows[: k + 1], 0.02, 0.8, 0.95, rule=rule, weight_decay=0.5, ema=0.7
-        )
-        np.testing.assert_allclose(after[k], expected, rtol=1e-5, atol=1e-6)
-    [ours] = opt._model_variables_moving_average
-    np.testing.assert_allclose(ours.numpy(), average, rtol=1e-5, atol=1e-6)
 
 
 def _apply_both(opt, ref, rng, micro_batches, jit=False):

@@ -142,8 +142,8 @@ def warmup_markdown(rows, config):
     lines = [
         f"## Batch-size warmup to K = {k} (nothing retuned)",
         "",
-        f"piecewise: kappa {kappas} (micro-steps); adaptive: AdaptiveSteps(1, {k}), B_simple "
-        "rounded up to micro-batch x 2^n. T, σ: mean, std over seeds of kappa=1's final test "
+        f"piecewise: kappa {kappas} (micro-steps); adaptive: AdaptiveSteps(1, {k}, "
+        "powers_of_two=True). T, σ: mean, std over seeds of kappa=1's final test "
         "loss; `to T`, `to T+σ`: updates to first reach it (linear interpolation between "
         "evaluations; over the seeds that do); `saved` = 1 - (to T+σ) / kappa=1's updates, "
         "shown when every seed reaches T+σ.",

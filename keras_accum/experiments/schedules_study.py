@@ -332,7 +332,8 @@ class SchedulesStudy:
         for method in c["warmup_rules"] + ["sqrt"]:
             key = ("warmup", method, "adaptive")
             self.trainer.forget(key)  # A schedule object is per optimizer.
-            steps = _adaptive_steps(c, k)
+            # Sizes 1, 2, 4, ..., K: every window ends at a chunk's end.
+            steps = _adaptive_steps(c, k, powers_of_two=True)
             make = functools.partial(method_optimizer, method, steps, c)
             if method == "sqrt":  # variables: the one trace follows the rule
                 make = functools.partial(_variable_hyperparameters, make)
@@ -343,11 +344,11 @@ class SchedulesStudy:
             self._record("warmup", method, "adaptive", lr, seed, points)
 
     def _warmup_probe(self, seed, lr, method):
-        """`_prober` rounding B_simple up to micro-batch x a power of two
-        (every window divides K and the chunks: a change takes effect with
-        the next window, at a chunk start); logs the decisions; for sqrt
-        re-applies the rule when the size changes."""
-        probe = self._prober(seed, powers_of_two=True)
+        """`_prober` for a schedule built with `powers_of_two` (every window
+        divides K and the chunks: a change takes effect with the next
+        window, at a chunk start); logs the decisions; for sqrt re-applies
+        the rule when the size changes."""
+        probe = self._prober(seed)
 
         def warmup_probe(optimizer):
             before, b_simple = int(optimizer.steps.steps), probe(optimizer)
@@ -361,11 +362,10 @@ class SchedulesStudy:
 
         return warmup_probe
 
-    def _prober(self, seed, powers_of_two=False):
+    def _prober(self, seed):
         """Every call: B_simple from `probe_windows` windows of 8 seeded
         training micro-batches at the current weights, smoothed over calls;
-        fed to the optimizer's AdaptiveSteps (rounded up to micro-batch x a
-        power of two with `powers_of_two`); returns the value fed."""
+        fed to the optimizer's AdaptiveSteps; returns the value fed."""
         c, trainer = self.config, self.trainer
         b, kappa = c["micro_batch_size"], 8
         tracker = diagnostics.GradientNoiseScale(c["probe_ema"])
@@ -381,8 +381,6 @@ class SchedulesStudy:
                 idx = rng.choice(len(self.x_train), kappa * b, replace=False).reshape(kappa, b)
                 window(tf.constant(self.x_train[idx]), tf.constant(self.y_train[idx]))
             value = float(tracker.b_simple)
-            if powers_of_two and np.isfinite(value):
-                value = b * 2 ** np.ceil(np.log2(max(value / b, 1.0)))
             optimizer.steps.observe(value)
             return value
 
@@ -411,9 +409,10 @@ class SchedulesStudy:
         atomic.atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
-def _adaptive_steps(c, top):
-    """The study's `AdaptiveSteps` from 1 to `top` micro-batches."""
-    return ka.AdaptiveSteps(1, top, c["micro_batch_size"], **c["adaptive_kwargs"])
+def _adaptive_steps(c, top, **fixed):
+    """The study's `AdaptiveSteps` from 1 to `top` micro-batches (`fixed`
+    keyword arguments over the config's)."""
+    return ka.AdaptiveSteps(1, top, c["micro_batch_size"], **{**c["adaptive_kwargs"], **fixed})
 
 
 def _apply_sqrt_rule(optimizer, kappa, c):
