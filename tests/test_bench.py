@@ -23,7 +23,17 @@ import tensorflow as tf
 from conftest import mirrored_strategy
 
 from keras_accum.experiments import bench
-from keras_accum.experiments.bench import group, memory
+from keras_accum.experiments.bench import config as bench_config
+from keras_accum.experiments.bench import (
+    contenders,
+    group,
+    memory,
+    report,
+    runner,
+    targets,
+    worker,
+    workloads,
+)
 
 CONFIG = bench.BenchConfig(
     quick=True,
@@ -90,17 +100,16 @@ def test_optimizer_bytes_per_parameter(result):
 def test_markdown_and_files(result, tmp_path):
     text = bench.markdown(result, "python scripts/bench.py --quick")
     for columns in (
-        bench.SUMMARY_COLUMNS,
-        bench.RATIO_COLUMNS,
-        bench.TARGET_COLUMNS,
-        bench.MEMORY_COLUMNS,
-        bench.COST_COLUMNS,
+        report.SUMMARY_COLUMNS,
+        report.RATIO_COLUMNS,
+        report.TARGET_COLUMNS,
+        report.MEMORY_COLUMNS,
     ):
         assert "| " + " | ".join(columns) + " |" in text
     b = CONFIG.resolved().micro_batch
     for name in CONFIG.contenders:
         assert f"| graph | cnn | {b} | {name} |" in text
-    for title, _ in bench.TARGETS.values():
+    for title, _ in targets.TARGETS.values():
         assert f"| {title} |" in text  # One summary line per target.
     bench.write_outputs(result, str(tmp_path), "python scripts/bench.py")
     assert {p.name for p in tmp_path.iterdir()} == {
@@ -219,7 +228,8 @@ def test_a_gpu_run_is_reported_beside_the_cpu_run_never_pooled_with_it():
     ]
     merged = bench.merge_results(runs)
     assert len(merged["rows"]) == 4 and all("processes" not in r for r in merged["rows"])
-    ga = {bench.device_of(r): r for r in merged["rows"] if r["contender"] != "keras_accumulation"}
+    rows = merged["rows"]
+    ga = {bench_config.device_of(r): r for r in rows if r["contender"] != "keras_accumulation"}
     for device, samples in (("cpu", cpu), ("gpu", gpu)):
         expected = np.array(samples["gradient_accumulation"]) / samples["keras_accumulation"]
         ratio = ga[device]["ratios"]["vs_keras_accumulation"]["median"]
@@ -241,7 +251,7 @@ def test_a_gpu_run_is_reported_beside_the_cpu_run_never_pooled_with_it():
     with_memory = dict(runs[0], rows=[], tensor_memory=tensors, seconds=1.0)
     merged = bench.merge_results(runs + [with_memory])
     peaks = {
-        bench.device_of(r): r["tensor_memory"]["peak_mb"]
+        bench_config.device_of(r): r["tensor_memory"]["peak_mb"]
         for r in merged["rows"]
         if "tensor_memory" in r
     }
@@ -323,7 +333,7 @@ def test_mirrored_group_counts_reductions_and_records_keras_failure():
     config = dataclasses.replace(
         CONFIG, contenders=("adam", "keras_accumulation", "gradient_accumulation")
     ).resolved()
-    rows = bench.run_group("cnn", "mirrored", config, strategy=mirrored_strategy())
+    rows = group.run_group("cnn", "mirrored", config, strategy=mirrored_strategy())
     rows = {r["contender"]: r for r in rows}
     assert "error" in rows["keras_accumulation"]
     adam, ours = rows["adam"], rows["gradient_accumulation"]
@@ -338,23 +348,23 @@ def test_mirrored_group_counts_reductions_and_records_keras_failure():
 
 def test_transformer_workload_trains_through_sparse_gradients():
     config = dataclasses.replace(CONFIG, models=("transformer",)).resolved()
-    runner = bench.FitRunner(
-        bench.WORKLOADS["transformer"],
-        bench.CONTENDERS["gradient_accumulation"],
+    fit_runner = runner.FitRunner(
+        workloads.WORKLOADS["transformer"],
+        contenders.CONTENDERS["gradient_accumulation"],
         config,
         tf.distribute.get_strategy(),
-        bench.SETTINGS["graph"],
+        bench_config.SETTINGS["graph"],
         config.micro_batch,
     )
-    _, loss = runner.call(1)
+    _, loss = fit_runner.call(1)
     assert math.isfinite(loss)
-    assert runner.params == bench.WORKLOADS["transformer"].build(quick=True).count_params()
-    assert runner.bytes_per_param == 12.0
+    assert fit_runner.params == workloads.WORKLOADS["transformer"].build(quick=True).count_params()
+    assert fit_runner.bytes_per_param == 12.0
 
 
 def test_peak_rss_worker_in_subprocess():
     # Also checks that `python -m keras_accum.experiments.bench` runs a task.
-    rss = bench.run_worker(
+    rss = worker.run_worker(
         {"kind": "rss", "model": "cnn", "contender": "invariant_adam"}, CONFIG.resolved()
     )
     assert rss["peak_mb"] >= rss["baseline_mb"] > 0
@@ -411,7 +421,7 @@ def test_targets_thresholds_follow_the_issue():
     result = {"rows": rows, "config": {"models": ("m",), "micro_batch": 32, "steps": 4}}
     met = {
         (t["target"], t["setting"], t["micro_batch"]): t["met"]
-        for t in bench.evaluate_targets(result)
+        for t in targets.evaluate_targets(result)
     }
     assert met[("ga_vs_keras", "graph", 32)] is True
     assert met[("ga_vs_limit", "graph", 32)] is True  # Within 10% at b = 32.
@@ -422,10 +432,10 @@ def test_targets_thresholds_follow_the_issue():
     assert met[("mirrored_vs_adam", "mirrored", 32)] is True
     # 4 x 1 + 100 elements per window over 100 parameters: 1.04 > 1.01.
     assert met[("mirrored_reductions", "mirrored", 32)] is False
-    lines = {s["target"]: s["verdict"] for s in bench.summarize(bench.evaluate_targets(result))}
-    assert lines[bench.TARGETS["retrace_steps"][0]] == "pending"
-    assert lines[bench.TARGETS["retrace"][0]] == "met"
-    assert lines[bench.TARGETS["xla_copies"][0]] == "n/a"
+    lines = {s["target"]: s["verdict"] for s in targets.summarize(targets.evaluate_targets(result))}
+    assert lines[targets.TARGETS["retrace_steps"][0]] == "pending"
+    assert lines[targets.TARGETS["retrace"][0]] == "met"
+    assert lines[targets.TARGETS["xla_copies"][0]] == "n/a"
 
 
 @pytest.mark.parametrize(
@@ -471,7 +481,7 @@ def test_peak_tensor_memory_worker_counts_the_optimizer_state():
     # get_memory_info fails) counts every tensor: the peak covers at least
     # the optimizer's state, m and v of 4 bytes each per parameter.
     task = {"kind": "tensor_memory", "model": "cnn", "contender": "invariant_adam"}
-    result = bench.run_worker(dict(task, setting="graph"), CONFIG.resolved())
+    result = worker.run_worker(dict(task, setting="graph"), CONFIG.resolved())
     assert result["per_param"] >= 8.0
     assert result["setting"] == "graph"
     assert result["device"] == ("gpu" if tf.config.list_physical_devices("GPU") else "cpu")

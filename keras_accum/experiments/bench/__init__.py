@@ -55,75 +55,21 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from keras_accum.experiments.bench.config import (  # noqa: E402
-    SETTINGS,
-    BenchConfig,
-    Setting,
-    device_of,
-    place,
-    run_device,
-)
-from keras_accum.experiments.bench.contenders import (  # noqa: E402
-    CONTENDERS,
-    Contender,
-    GradientsOnly,
-    register,
-)
-from keras_accum.experiments.bench.costs import COST_MODEL, cost_rows, modelled_bytes  # noqa: E402
-from keras_accum.experiments.bench.group import run_group  # noqa: E402
+from keras_accum.experiments.bench.config import BenchConfig  # noqa: E402
 from keras_accum.experiments.bench.report import (  # noqa: E402
-    COPY_COLUMNS,
-    COST_COLUMNS,
-    MEMORY_COLUMNS,
-    RATIO_COLUMNS,
-    REDUCTION_COLUMNS,
-    SUMMARY_COLUMNS,
-    TARGET_COLUMNS,
     check_splice,
     markdown,
     splice_markdown,
     write_outputs,
 )
-from keras_accum.experiments.bench.runner import FitRunner  # noqa: E402
-from keras_accum.experiments.bench.suite import machine_info, merge_results, run  # noqa: E402
-from keras_accum.experiments.bench.targets import TARGETS, evaluate_targets, summarize  # noqa: E402
-from keras_accum.experiments.bench.worker import run_worker  # noqa: E402
-from keras_accum.experiments.bench.workloads import WORKLOADS, Workload  # noqa: E402
+from keras_accum.experiments.bench.suite import merge_results, run  # noqa: E402
 
 __all__ = [
-    "COPY_COLUMNS",
-    "COST_COLUMNS",
-    "COST_MODEL",
-    "CONTENDERS",
-    "Contender",
     "BenchConfig",
-    "FitRunner",
-    "GradientsOnly",
-    "MEMORY_COLUMNS",
-    "RATIO_COLUMNS",
-    "REDUCTION_COLUMNS",
-    "SETTINGS",
-    "SUMMARY_COLUMNS",
-    "Setting",
-    "TARGETS",
-    "TARGET_COLUMNS",
-    "WORKLOADS",
-    "Workload",
     "check_splice",
-    "device_of",
-    "cost_rows",
-    "evaluate_targets",
-    "machine_info",
     "markdown",
     "merge_results",
-    "modelled_bytes",
-    "place",
-    "register",
     "run",
-    "run_device",
-    "run_group",
-    "run_worker",
     "splice_markdown",
-    "summarize",
     "write_outputs",
 ]

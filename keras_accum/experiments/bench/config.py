@@ -43,11 +43,6 @@ SETTINGS = {
 F = cfg.Field
 
 
-def _names(name, default, help, choices=None):
-    item = F("", "str", "", "", choices=choices)
-    return F(name, "list", list(default), help, item=item)
-
-
 def _check_contenders(c):
     from keras_accum.experiments.bench.contenders import CONTENDERS
 
@@ -57,8 +52,8 @@ def _check_contenders(c):
 
 # One field per config key; the script's flags are derived from them.
 FIELDS = [
-    _names("models", ("cnn", "mlp", "transformer", "lm"), "Models", tuple(WORKLOADS)),
-    _names(
+    cfg.names("models", ("cnn", "mlp", "transformer", "lm"), "Models", tuple(WORKLOADS)),
+    cfg.names(
         "contenders",
         (
             "adam",
@@ -71,7 +66,7 @@ FIELDS = [
         ),
         "Contenders (see contenders.CONTENDERS)",
     ),
-    _names("settings", tuple(SETTINGS), "Settings (see SETTINGS)", tuple(SETTINGS)),
+    cfg.names("settings", tuple(SETTINGS), "Settings (see SETTINGS)", tuple(SETTINGS)),
     F("steps", "int", 8, "N: micro-batches per window", minimum=1),
     F("micro_batch", "int", 32, "b: examples per micro-batch (global)", minimum=1),
     F(
@@ -81,7 +76,7 @@ FIELDS = [
         "Also timed at this b in limit_settings (0: off)",
         minimum=0,
     ),
-    _names(
+    cfg.names(
         "limit_settings", ("graph", "xla"), "Settings timed at limit_micro_batch", tuple(SETTINGS)
     ),
     F("windows", "int", 1, "Windows per train-function call: K = steps x windows", minimum=1),

@@ -34,24 +34,37 @@ def memory_mb():
         return peak, peak
 
 
-def measure_rss(model_name, contender_name, config):
-    """In a fresh process: RSS once TensorFlow, the model and the data are
-    up (baseline), and the peak after warm-up and a few training calls, in
-    graph mode at micro-batch `config.micro_batch`."""
+def _model_and_data_up(model_name, config):
+    """TensorFlow, a model and a batch of data up (the memory baseline);
+    returns `memory_mb()` then."""
     workload = WORKLOADS[model_name]
     keras.utils.set_random_seed(config.seed)
     x, _ = workload.data(1, config.quick, np.random.default_rng(config.seed))
     workload.build(config.quick)(x)
-    baseline, _ = memory_mb()
+    return memory_mb()
+
+
+def _trained(model_name, contender_name, setting_name, config, calls=2):
+    """A `FitRunner` (warmed up by its `fit`) after `calls` more calls."""
     runner = FitRunner(
-        workload,
+        WORKLOADS[model_name],
         CONTENDERS[contender_name],
         config,
         tf.distribute.get_strategy(),
-        SETTINGS["graph"],
+        SETTINGS[setting_name],
         config.micro_batch,
     )
-    runner.call(2)
+    if calls:
+        runner.call(calls)
+    return runner
+
+
+def measure_rss(model_name, contender_name, config):
+    """In a fresh process: RSS once TensorFlow, the model and the data are
+    up (baseline), and the peak after warm-up and a few training calls, in
+    graph mode at micro-batch `config.micro_batch`."""
+    baseline, _ = _model_and_data_up(model_name, config)
+    runner = _trained(model_name, contender_name, "graph", config)
     _, peak = memory_mb()
     return {
         "device": run_device("graph"),
@@ -72,21 +85,10 @@ def measure_tensor_memory(model_name, contender_name, setting_name, config):
     tens of MB); on a tiny model one unrelated buffer alive at the peak or
     not can double it. With a GPU, the step's tensors live there and its
     allocator is read instead."""
-    workload = WORKLOADS[model_name]
-    keras.utils.set_random_seed(config.seed)
-    x, _ = workload.data(1, config.quick, np.random.default_rng(config.seed))
-    workload.build(config.quick)(x)
+    _model_and_data_up(model_name, config)
     baseline = child.memory_info()["current"]
     child.reset_peak()
-    runner = FitRunner(
-        workload,
-        CONTENDERS[contender_name],
-        config,
-        tf.distribute.get_strategy(),
-        SETTINGS[setting_name],
-        config.micro_batch,
-    )
-    runner.call(2)
+    runner = _trained(model_name, contender_name, setting_name, config)
     peak = child.memory_info()["peak"] - baseline
     return {
         "device": run_device(setting_name),
@@ -104,14 +106,7 @@ def measure_xla_copies(model_name, contender_name, config, dump_dir):
     A fused in-place update needs no copy; each parameter-sized copy reads
     and writes 8 bytes per parameter.
     """
-    runner = FitRunner(
-        WORKLOADS[model_name],
-        CONTENDERS[contender_name],
-        config,
-        tf.distribute.get_strategy(),
-        SETTINGS["xla"],
-        config.micro_batch,
-    )
+    runner = _trained(model_name, contender_name, "xla", config, calls=0)
     pattern = os.path.join(dump_dir, "*one_step_on_data*after_optimizations.txt")
     files = sorted(glob.glob(pattern))
     if not files:

@@ -5,7 +5,6 @@ import json
 import os
 
 from keras_accum.experiments.bench.config import device_of, place
-from keras_accum.experiments.bench.costs import cost_rows
 from keras_accum.experiments.bench.targets import TARGETS, summarize
 from keras_accum.training import atomic
 
@@ -35,13 +34,6 @@ MEMORY_COLUMNS = (
     "peak tensor MB, graph",
     "peak tensor MB, XLA",
     "peak tensor B / param, graph",
-)
-COST_COLUMNS = (
-    "optimizer",
-    "modelled bytes/param/micro-step, fused",
-    "modelled bytes/param/micro-step, TF ops",
-    "measured ns/param/micro-step beyond gradients_only",
-    "implied GB/s (TF ops beyond gradients_only)",
 )
 REDUCTION_COLUMNS = (
     "model",
@@ -185,23 +177,6 @@ def _memory_section(result):
     return ["### Memory", "", table(MEMORY_COLUMNS, lines), ""]
 
 
-def _cost_section(result):
-    lines = [
-        [
-            f"{c['model']}: {c['contender']}",
-            _num(c["fused"], ".1f"),
-            _num(c["ops"], ".1f"),
-            _num(c["ns_per_param"], ".2f"),
-            _num(c["implied_gb_s"], ".1f"),
-        ]
-        for c in cost_rows(result)
-    ]
-    if not lines:
-        return []
-    title = "### Cost model beside the measurement (graph mode)"
-    return [title, "", table(COST_COLUMNS, lines), ""]
-
-
 def _reduction_section(result):
     steps = result["config"]["steps"]
     lines = []
@@ -292,7 +267,7 @@ def markdown(result, command=None):
     if result["rows"]:
         parts += _ratio_section(result)
     parts += _targets_section(result)
-    for section in (_memory_section, _cost_section, _reduction_section, _copies_section):
+    for section in (_memory_section, _reduction_section, _copies_section):
         parts += section(result)
     return "\n".join(parts)
 
