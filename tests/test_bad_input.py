@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from keras_accum import training
 from keras_accum.experiments import config as cfg
 from keras_accum.experiments import experiment
 
@@ -128,6 +129,10 @@ def test_bad_tf_config_is_refused(tf_config, words, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", tf_config)
     with pytest.raises(cfg.ConfigError) as info:
         experiment.resolve_config({"strategy": "multi_worker"})
+    assert_one_line(str(info.value), *words)
+    # The library reads TF_CONFIG itself (custom loop users): the same line.
+    with pytest.raises(ValueError) as info:
+        training.strategy_from_environment()
     assert_one_line(str(info.value), *words)
 
 

@@ -196,6 +196,20 @@ class Field:
         return f"{self.help} ({accepted}; default {_flag_text(self.default)})"
 
 
+# The item of a list of positive floats (learning rates).
+POSITIVE = Field("", "float", 1e-3, "", minimum=0.0, open_minimum=True)
+
+
+def fraction(name: str, default: float, help: str) -> Field:
+    """A float in [0, 1) (a beta, an EMA decay, a held-out fraction)."""
+    return Field(name, "float", default, help, minimum=0.0, maximum=1.0, open_maximum=True)
+
+
+def names(name: str, default: Iterable[str], help: str, choices: tuple | None = None) -> Field:
+    """A list of at least one string, each among `choices` when given."""
+    return Field(name, "list", list(default), help, item=Field("", "str", "", "", choices=choices))
+
+
 def _flag_text(value):
     if value is None:
         return "none"
@@ -338,42 +352,3 @@ def load_json(path: str | pathlib.Path) -> dict:
     if not isinstance(config, dict):
         raise ConfigError(f"{str(path)!r} must hold a JSON object. Received: {config!r}")
     return config
-
-
-def check_tf_config(text: str | None) -> dict:
-    """The parsed TF_CONFIG of a multi-worker run ({} when unset).
-
-    It must be a JSON object with `cluster` ({job: ["host:port", ...]}) and
-    `task` ({"type": a job of the cluster, "index": an index into it}).
-    """
-    if not text:
-        return {}
-    example = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
-    try:
-        tf_config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"TF_CONFIG is not valid JSON ({e}). Expected {example}") from None
-    cluster = tf_config.get("cluster") if isinstance(tf_config, dict) else None
-    task = tf_config.get("task") if isinstance(tf_config, dict) else None
-    jobs_ok = (
-        isinstance(cluster, dict)
-        and cluster
-        and all(
-            isinstance(v, list) and v and all(isinstance(a, str) and ":" in a for a in v)
-            for v in cluster.values()
-        )
-    )
-    if not jobs_ok or not isinstance(task, dict):
-        raise ConfigError(f"TF_CONFIG must look like {example}. Received: TF_CONFIG={text!r}")
-    job, index = task.get("type"), task.get("index")
-    if job not in cluster:
-        raise ConfigError(
-            f"TF_CONFIG task type must be one of {', '.join(map(repr, cluster))}. "
-            f"Received: type={job!r}"
-        )
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(cluster[job]):
-        raise ConfigError(
-            f"TF_CONFIG task index must be an integer in [0, {len(cluster[job]) - 1}]. "
-            f"Received: index={index!r}"
-        )
-    return tf_config

@@ -16,6 +16,7 @@ import pathlib
 import keras_accum as ka
 from keras_accum.experiments import config as cfg
 from keras_accum.experiments import data, models, optimizers, run_folder
+from keras_accum.training import distribute
 
 OPTIMIZERS, INNER_OPTIMIZERS = optimizers.OPTIMIZERS, optimizers.INNER_OPTIMIZERS
 STRATEGIES = ("default", "mirrored", "multi_worker")
@@ -36,24 +37,8 @@ FIELDS = [
     ),
     # Hyperparameters at kappa = 1; `scaling_rule` rescales them to kappa.
     F("learning_rate", "float", 1e-3, "Learning rate at kappa = 1", minimum=0.0, open_minimum=True),
-    F(
-        "beta_1",
-        "float",
-        0.9,
-        "Adam beta_1 at kappa = 1",
-        minimum=0.0,
-        maximum=1.0,
-        open_maximum=True,
-    ),
-    F(
-        "beta_2",
-        "float",
-        0.999,
-        "Adam beta_2 at kappa = 1",
-        minimum=0.0,
-        maximum=1.0,
-        open_maximum=True,
-    ),
+    cfg.fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
+    cfg.fraction("beta_2", 0.999, "Adam beta_2 at kappa = 1"),
     F("epsilon", "float", 1e-7, "Adam epsilon", minimum=0.0, open_minimum=True),
     F("weight_decay", "float", None, "Decoupled weight decay", minimum=0.0),
     F(
@@ -92,15 +77,7 @@ FIELDS = [
     F("epochs", "int", 10, "Epochs", minimum=1),
     # The first examples of train, the same for every seed; 0 = none (the
     # per-epoch evaluation then runs on test and is logged as test_*).
-    F(
-        "validation_split",
-        "float",
-        0.0,
-        "Fraction of train held out for validation",
-        minimum=0.0,
-        maximum=1.0,
-        open_maximum=True,
-    ),
+    cfg.fraction("validation_split", 0.0, "Fraction of train held out for validation"),
     F("seed", "int", 0, "Random seed", minimum=0, maximum=2**32 - 1),
     F("strategy", "str", "default", "tf.distribute strategy", choices=STRATEGIES),
     F("mixed_precision", "bool", False, "mixed_float16 policy"),
@@ -188,7 +165,7 @@ def _check_data_dir(config):
 
 def _check_tf_config(config):
     if config["strategy"] == "multi_worker":
-        cfg.check_tf_config(os.environ.get("TF_CONFIG"))
+        distribute.check_tf_config(os.environ.get("TF_CONFIG"))
 
 
 SCHEMA = cfg.Schema(

@@ -190,9 +190,49 @@ def _peers(cluster, task):
     ]
 
 
+def check_tf_config(text: str | None) -> dict:
+    """The parsed TF_CONFIG of a multi-worker run ({} when unset).
+
+    It must be a JSON object with `cluster` ({job: ["host:port", ...]}) and
+    `task` ({"type": a job of the cluster, "index": an index into it}).
+    """
+    if not text:
+        return {}
+    example = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
+    try:
+        tf_config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({e}). Expected {example}") from None
+    cluster = tf_config.get("cluster") if isinstance(tf_config, dict) else None
+    task = tf_config.get("task") if isinstance(tf_config, dict) else None
+    jobs_ok = (
+        isinstance(cluster, dict)
+        and cluster
+        and all(
+            isinstance(v, list) and v and all(isinstance(a, str) and ":" in a for a in v)
+            for v in cluster.values()
+        )
+    )
+    if not jobs_ok or not isinstance(task, dict):
+        raise ValueError(f"TF_CONFIG must look like {example}. Received: TF_CONFIG={text!r}")
+    job, index = task.get("type"), task.get("index")
+    if job not in cluster:
+        raise ValueError(
+            f"TF_CONFIG task type must be one of {', '.join(map(repr, cluster))}. "
+            f"Received: type={job!r}"
+        )
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(cluster[job]):
+        raise ValueError(
+            f"TF_CONFIG task index must be an integer in [0, {len(cluster[job]) - 1}]. "
+            f"Received: index={index!r}"
+        )
+    return tf_config
+
+
 def multi_worker_environment() -> bool:
-    """True when TF_CONFIG names more than one chief or worker task."""
-    cluster = json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {})
+    """True when TF_CONFIG names more than one chief or worker task
+    (ValueError, one line, for a malformed TF_CONFIG)."""
+    cluster = check_tf_config(os.environ.get("TF_CONFIG")).get("cluster", {})
     return sum(len(cluster.get(k, ())) for k in ("chief", "worker")) > 1
 
 
@@ -212,7 +252,7 @@ def strategy_from_environment(collective_timeout: float | None = None) -> tf.dis
     above the slowest step, checkpoint and evaluation).
     """
     if multi_worker_environment():
-        config = json.loads(os.environ["TF_CONFIG"])
+        config = check_tf_config(os.environ["TF_CONFIG"])
         cluster = config["cluster"]
         options = tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=collective_timeout
