@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -145,12 +146,6 @@ def run(sizes, seq_lens, settings=tuple(SETTINGS), modes=MODES, rounds=5, calls=
     return results
 
 
-def _median(values):
-    values = sorted(values)
-    n = len(values)
-    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
-
-
 def markdown(results, command):
     """The BENCHMARKS.md section."""
     import keras
@@ -196,7 +191,7 @@ def markdown(results, command):
             lines.append(
                 f"| {size} | {setting} | {seq_len} | {mode} | {row['step_mb']:.1f} | "
                 f"{row['total_mb']:.1f} | {row['step_mb'] / base['step_mb']:.2f} | {temp} | "
-                f"{1000 * _median(samples[mode]):.1f} | {_median(ratios):.2f} |"
+                f"{1000 * statistics.median(samples[mode]):.1f} | {statistics.median(ratios):.2f} |"
             )
     return "\n".join(lines)
 

@@ -6,20 +6,14 @@ import pathlib
 
 import numpy as np
 
-from keras_accum.experiments.invariance.report import _pyplot, save_figure
+from keras_accum.experiments.invariance.report import mean_std, pyplot, save_figure, write_csv
 from keras_accum.training import atomic
 
 LOSSES = ("train_loss", "test_loss")
 
 
-def _mean_std(values):
-    values = np.asarray(values, dtype=float)
-    std = values.std(ddof=1) if len(values) > 1 else float("nan")
-    return float(values.mean()), float(std)
-
-
-def _fmt(mean_std, digits=2):
-    mean, std = mean_std
+def _fmt(value, digits=2):
+    mean, std = value
     return f"{mean:.{digits}e} ± {std:.1e}"
 
 
@@ -65,7 +59,7 @@ def switch_summary(rows, config):
                     stats["offset"].append(np.abs(values[2] - values[0]).mean())
                     stats["jump"].append(values[2][0] - values[0][0])
                 for name, values in stats.items():
-                    entry[f"{metric}_{name}"] = _mean_std(values)
+                    entry[f"{metric}_{name}"] = mean_std(values)
             out.append(entry)
     return out
 
@@ -81,7 +75,7 @@ def adaptive_summary(rows, config):
             ends = [max(v.items())[1] for k, v in curves.items() if k[1] == lr and k[3] == run]
             entry = {"learning_rate": lr, "run": run}
             for metric in ("train_loss", "test_loss", "test_accuracy", "updates"):
-                entry[metric] = _mean_std([e[metric] for e in ends])
+                entry[metric] = mean_std([e[metric] for e in ends])
             out.append(entry)
     return out
 
@@ -113,7 +107,7 @@ def warmup_summary(rows, config, lr):
         if rate == lr:
             runs.setdefault((method, run), []).append([points[e] for e in sorted(points)])
     ones = next(v for (_, run), v in runs.items() if run == "kappa=1")
-    target = _mean_std([c[-1]["test_loss"] for c in ones])
+    target = mean_std([c[-1]["test_loss"] for c in ones])
     out = []
     for method in config["warmup_rules"] + ["sqrt"]:
         for run in config["warmup_schedules"]:
@@ -121,7 +115,7 @@ def warmup_summary(rows, config, lr):
             seeds, noisy = runs[(method, run)], target[0] + np.nan_to_num(target[1])
             entry = {"method": method, "run": run}
             for metric in ("test_loss", "updates"):
-                entry[metric] = _mean_std([c[-1][metric] for c in seeds])
+                entry[metric] = mean_std([c[-1][metric] for c in seeds])
             for name, t in (("to_target", target[0]), ("to_noise", noisy)):
                 entry[name] = [updates_to_target(c, t) for c in seeds]
             out.append(entry)
@@ -170,7 +164,7 @@ def warmup_markdown(rows, config):
 
 def plot_warmup(rows, config, lr, png):
     """Test loss versus serial updates and versus examples, mean over seeds."""
-    plt = _pyplot()
+    plt = pyplot()
     curves = _curves(rows, "warmup")
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     for method, run in sorted({(k[0], k[3]) for k in curves if k[1] == lr}):
@@ -262,7 +256,7 @@ def _mean_curve(curves, method, lr, run, metric, x="examples"):
 def plot_switch(rows, config, lr, png, metric="train_loss"):
     """Top: `metric` versus examples (mean over seeds) for kappa=1, kappa=8
     and the switch, a column per method; bottom: each minus kappa=1."""
-    plt = _pyplot()
+    plt = pyplot()
     curves = _curves(rows, "switch")
     methods = config["switch_methods"]
     fig, axes = plt.subplots(2, len(methods), figsize=(4.5 * len(methods), 7), squeeze=False)
@@ -292,7 +286,7 @@ def plot_switch(rows, config, lr, png, metric="train_loss"):
 
 def plot_adaptive(rows, config, lr, png):
     """Test loss versus examples and versus updates; kappa versus examples."""
-    plt = _pyplot()
+    plt = pyplot()
     curves = _curves(rows, "adaptive")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     runs = sorted({k[3] for k in curves if k[1] == lr}, key=_run_order)
@@ -337,8 +331,6 @@ def merge(workdirs, out):
     """One report of finished studies run apart (seeds or warmup lrs split
     over processes): their rows, seeds and lrs together, else the first
     one's config."""
-    from keras_accum.experiments.invariance.report import write_csv
-
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config, rows, decisions = None, [], []

@@ -48,31 +48,20 @@ import numpy as np
 import tensorflow as tf
 
 import keras_accum as ka
-from keras_accum import diagnostics
-from keras_accum.experiments import charlm, data, optimizers
 from keras_accum.experiments import config as cfg
+from keras_accum.experiments import optimizers
 from keras_accum.experiments.invariance.report import write_csv
 from keras_accum.experiments.study_runner import (
     METRICS,
     StudyRunner,
-    load_arrays,
     micro_batch_indices,
 )
 from keras_accum.training import atomic
 
-F = cfg.Field
-_POSITIVE = F("", "float", 1e-3, "", minimum=0.0, open_minimum=True)
+F, _RATE = cfg.Field, cfg.POSITIVE
 _METHODS = ("invariant", "power", "sqrt")
 _SCHEDULES = ("kappa=1", "kappa=K", "piecewise", "adaptive")
 _DECISION_KEYS = ("method", "seed", "learning_rate", "micro_step", "b_simple", "steps")
-
-
-def _fraction(name, default, help):
-    return F(name, "float", default, help, minimum=0.0, maximum=1.0, open_maximum=True)
-
-
-def _names(name, default, help, choices):
-    return F(name, "list", default, help, item=F("", "str", "", "", choices=choices))
 
 
 def _examples(name, default, help):
@@ -84,8 +73,8 @@ FIELDS = [
     F("data_dir", "path", None, "TFDS data_dir"),
     F("model", "str", "mlp", "Model name (ignored for char_corpus)"),
     F("micro_batch_size", "int", 32, "Items per micro-batch", minimum=1),
-    _fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
-    _fraction("beta_2", 0.999, "Adam beta_2 at kappa = 1"),
+    cfg.fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
+    cfg.fraction("beta_2", 0.999, "Adam beta_2 at kappa = 1"),
     F("epsilon", "float", 1e-7, "Adam epsilon", minimum=0.0, open_minimum=True),
     F("seeds", "list", [0, 1, 2], "Seeds", item=F("", "int", 0, "", minimum=0)),
     _examples("train_examples", 32768, "Examples per run"),
@@ -94,20 +83,14 @@ FIELDS = [
     # switch experiment
     F("switch_kappa", "int", 8, "kappa after the switch", minimum=1),
     _examples("switch_examples", 16384, "Examples before the switch"),
-    F(
-        "switch_methods",
-        "list",
-        list(_METHODS),
-        "Methods",
-        item=F("", "str", "", "", choices=_METHODS),
-    ),
-    F("switch_learning_rates", "list", [1e-4, 1e-3, 1e-2], "Base lrs", minimum=0, item=_POSITIVE),
+    cfg.names("switch_methods", _METHODS, "Methods", _METHODS),
+    F("switch_learning_rates", "list", [1e-4, 1e-3, 1e-2], "Base lrs", minimum=0, item=_RATE),
     # adaptive experiment
-    F("adaptive_learning_rates", "list", [1e-3], "Base lrs", minimum=0, item=_POSITIVE),
+    F("adaptive_learning_rates", "list", [1e-3], "Base lrs", minimum=0, item=_RATE),
     F("adaptive_max_steps", "int", 16, "Largest window of AdaptiveSteps", minimum=1),
     _examples("probe_every", 1024, "Examples between B_simple probes"),
     F("probe_windows", "int", 4, "Probe windows per estimate", minimum=1),
-    _fraction("probe_ema", 0.9, "EMA of the B_simple estimates"),
+    cfg.fraction("probe_ema", 0.9, "EMA of the B_simple estimates"),
     # AdaptiveSteps' keyword arguments in both experiments. The published
     # runs used the first rule (no smoothing of its own: the probes' EMA
     # smooths; a decision from the first estimate).
@@ -118,10 +101,12 @@ FIELDS = [
         "AdaptiveSteps smoothing, min_observations",
     ),
     # warmup experiment (off while warmup_learning_rates is empty)
-    F("warmup_learning_rates", "list", [], "Base lrs", minimum=0, item=_POSITIVE),
+    F("warmup_learning_rates", "list", [], "Base lrs", minimum=0, item=_RATE),
     F("warmup_kappa", "int", 8, "Largest kappa K (a power of two)", minimum=1),
-    _names("warmup_rules", ["fixed_beta_1"], "InvariantAdam rules", ka.scaling.SCALING_RULES[:-1]),
-    _names("warmup_schedules", list(_SCHEDULES), "Runs (with sqrt too)", _SCHEDULES),
+    cfg.names(
+        "warmup_rules", ["fixed_beta_1"], "InvariantAdam rules", ka.scaling.SCALING_RULES[:-1]
+    ),
+    cfg.names("warmup_schedules", list(_SCHEDULES), "Runs (with sqrt too)", _SCHEDULES),
     F("warmup_boundaries", "list", [64, 192, 448], "Micro-steps where kappa doubles", minimum=0),
     F("verbose", "int", 1, "1: a line per run, 0: silent", choices=(0, 1)),
 ]
@@ -198,23 +183,7 @@ class SchedulesStudy:
     def __init__(self, config):
         self.config = c = resolve_config(config)
         self.started, self.cpu_started = time.time(), time.process_time()
-        if c["dataset"] == charlm.CharCorpus.name:
-            self.x_train, self.y_train = charlm.load_arrays("train", c["data_dir"])
-            test = charlm.load_arrays("test", c["data_dir"])
-            shape, classes, build = (charlm.SEQ_LEN,), charlm.VOCAB_SIZE, charlm.build_lm
-        else:
-            info = data.dataset_info(c["dataset"], c["data_dir"])
-            self.x_train, self.y_train = load_arrays(c["dataset"], "train", c["data_dir"])
-            test = load_arrays(c["dataset"], "test", c["data_dir"])
-            shape, classes, build = info.input_shape, info.num_classes, None
-        n = c["train_eval_examples"]
-        self.trainer = StudyRunner(
-            c["model"],
-            shape,
-            classes,
-            {"train": (self.x_train[:n], self.y_train[:n]), "test": test},
-            build=build,
-        )
+        self.trainer, self.x_train, self.y_train = StudyRunner.for_config(c)
         self.rows, self.decisions, self.warmup_decisions = [], [], []
 
     def _log(self, message):
@@ -366,15 +335,10 @@ class SchedulesStudy:
         """Every call: B_simple from `probe_windows` windows of 8 seeded
         training micro-batches at the current weights, smoothed over calls;
         fed to the optimizer's AdaptiveSteps; returns the value fed."""
-        c, trainer = self.config, self.trainer
+        c = self.config
         b, kappa = c["micro_batch_size"], 8
-        tracker = diagnostics.GradientNoiseScale(c["probe_ema"])
+        tracker, window = self.trainer.fresh_noise_probe(b, kappa, c["probe_ema"])
         rng = np.random.default_rng([seed, 3])
-
-        @tf.function(autograph=False)
-        def window(xw, yw):
-            micro = [trainer.gradient(xw[j], yw[j]) for j in range(kappa)]
-            tracker.update_from_micro_grads(micro, b)
 
         def probe(optimizer):
             for _ in range(c["probe_windows"]):

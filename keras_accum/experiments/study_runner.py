@@ -77,6 +77,25 @@ class StudyRunner:
         self._evaluate = tf.function(self._evaluate_fn)
         self._loops, self._probes = {}, {}
 
+    @classmethod
+    def for_config(cls, config):
+        """(runner, x_train, y_train) for a study config's `dataset` (the
+        character LM for `charlm.CharCorpus.name`), `data_dir`, `model` and
+        `train_eval_examples` (the first ones of train measure its loss)."""
+        from keras_accum.experiments import charlm
+
+        dataset, data_dir, n = config["dataset"], config["data_dir"], config["train_eval_examples"]
+        if dataset == charlm.CharCorpus.name:
+            load = lambda split: charlm.load_arrays(split, data_dir)  # noqa: E731
+            shape, classes, build = (charlm.SEQ_LEN,), charlm.VOCAB_SIZE, charlm.build_lm
+        else:
+            load = lambda split: load_arrays(dataset, split, data_dir)  # noqa: E731
+            info = data.dataset_info(dataset, data_dir)
+            shape, classes, build = info.input_shape, info.num_classes, None
+        (x, y), test = load("train"), load("test")
+        eval_data = {"train": (x[:n], y[:n]), "test": test}
+        return cls(config["model"], shape, classes, eval_data, build=build), x, y
+
     def initial_weights(self, seed):
         """Weights of a model built after `keras.utils.set_random_seed`."""
         keras.utils.set_random_seed(seed)
@@ -156,18 +175,17 @@ class StudyRunner:
             start += length
         return points
 
-    def noise_scale(self, x, y, micro_batch_size, kappa, windows, seed, ema=0.99):
-        """B_simple of the model as it is, from `windows` probe windows of
-        `kappa` micro-batches drawn from (x, y) without replacement, each
-        fed to `diagnostics.GradientNoiseScale.update_from_micro_grads`.
-        Returns the tracker's `result()` as floats (B_simple is inf when the
-        smoothed |G|^2 estimate is <= 0: signal not resolved)."""
+    def fresh_noise_probe(self, micro_batch_size, kappa, ema):
+        """(tracker, probe): `probe(xw, yw)` ([kappa, b, ...], one window,
+        compiled once per arguments) feeds the window's micro-batch
+        gradients to a `diagnostics.GradientNoiseScale(ema)` tracker, its
+        state zeroed (as new)."""
         key = (micro_batch_size, kappa, ema)
         if key not in self._probes:
             tracker = diagnostics.GradientNoiseScale(ema)
 
             @tf.function(autograph=False)  # no control flow to convert
-            def probe(xw, yw):  # [kappa, b, ...]: one window, compiled
+            def probe(xw, yw):
                 micro = [self.gradient(xw[j], yw[j]) for j in range(kappa)]
                 tracker.update_from_micro_grads(micro, micro_batch_size)
 
@@ -175,6 +193,15 @@ class StudyRunner:
         tracker, probe = self._probes[key]
         for variable in tracker.variables:  # A fresh estimate: zero state.
             variable.assign(tf.zeros_like(variable))
+        return tracker, probe
+
+    def noise_scale(self, x, y, micro_batch_size, kappa, windows, seed, ema=0.99):
+        """B_simple of the model as it is, from `windows` probe windows of
+        `kappa` micro-batches drawn from (x, y) without replacement
+        (`fresh_noise_probe`). Returns the tracker's `result()` as floats
+        (B_simple is inf when the smoothed |G|^2 estimate is <= 0: signal
+        not resolved)."""
+        tracker, probe = self.fresh_noise_probe(micro_batch_size, kappa, ema)
         rng = np.random.default_rng([seed, 2])
         for _ in range(windows):
             idx = rng.choice(len(x), kappa * micro_batch_size, replace=False)

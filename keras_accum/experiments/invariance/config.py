@@ -15,23 +15,17 @@ def _bounded_int(minimum):
     return F("", "int", minimum, "", minimum=minimum)
 
 
-def _fraction(name, default, help):
-    return F(name, "float", default, help, minimum=0.0, maximum=1.0, open_maximum=True)
-
-
-_POSITIVE = F("", "float", 1e-3, "", minimum=0.0, open_minimum=True)
-
 FIELDS = [
     F("dataset", "str", "mnist1d", "TFDS name (mnist1d is built offline)"),
     F("data_dir", "path", None, "TFDS data_dir"),
     F("model", "str", "mlp", "Model name", choices=tuple(models.MODELS)),
     F("micro_batch_size", "int", 32, "Items per micro-batch", minimum=1),
     F("kappas", "list", [1, 2, 4, 8], "Micro-batches per update", item=_bounded_int(1)),
-    F("methods", "list", DEFAULT_METHODS, "Methods", item=F("", "str", "", "", choices=METHODS)),
+    cfg.names("methods", DEFAULT_METHODS, "Methods", METHODS),
     # Base hyperparameters at kappa = 1; each method rescales them.
-    F("learning_rates", "list", [3e-4, 1e-3, 3e-3], "Base learning rates", item=_POSITIVE),
-    _fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
-    _fraction("beta_2", 0.999, "Adam beta_2 at kappa = 1"),
+    F("learning_rates", "list", [3e-4, 1e-3, 3e-3], "Base learning rates", item=cfg.POSITIVE),
+    cfg.fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
+    cfg.fraction("beta_2", 0.999, "Adam beta_2 at kappa = 1"),
     F("epsilon", "float", 1e-7, "Adam epsilon", minimum=0.0, open_minimum=True),
     F("seeds", "list", [0, 1, 2], "Seeds", item=_bounded_int(0)),
     F("train_examples", "int", 16384, "Examples seen per run", minimum=1),
@@ -40,13 +34,13 @@ FIELDS = [
     F("eval_every", "int", 1024, "Examples between evaluations", minimum=1),
     F("train_eval_examples", "int", 1000, "Fixed train subset for the train loss", minimum=1),
     F("share_kappa1", "bool", True, "Run kappa = 1 once for all methods (all are Adam there)"),
-    F("plot_learning_rates", "list", [1e-3], "A curves figure each", minimum=0, item=_POSITIVE),
+    F("plot_learning_rates", "list", [1e-3], "A curves figure each", minimum=0, item=cfg.POSITIVE),
     # B_simple probes: windows of `noise_scale_kappa` micro-batches.
     F("noise_scale_windows", "int", 32, "B_simple probe windows", minimum=1),
     F("noise_scale_kappa", "int", 8, "Micro-batches per probe window", minimum=2),
     # Bias-corrected EMA over probes of a fixed model: 0.99 weights the
     # windows nearly uniformly (the tracker is built for moving models).
-    _fraction("noise_scale_ema", 0.99, "EMA of the B_simple probes"),
+    cfg.fraction("noise_scale_ema", 0.99, "EMA of the B_simple probes"),
     F("verbose", "int", 1, "1: a line per run, 0: silent", choices=(0, 1)),
 ]
 

@@ -41,7 +41,8 @@ def spreads(rows, kappas):
     return result
 
 
-def _mean_std(values):
+def mean_std(values):
+    """(mean, std with ddof=1; nan for one value) of `values`."""
     values = np.asarray(values, dtype=float)
     std = values.std(ddof=1) if len(values) > 1 else float("nan")
     return float(values.mean()), float(std)
@@ -65,7 +66,7 @@ def summarize(rows, config):
             keys = [(method, lr, seed) for seed in config["seeds"]]
             for metric in METRICS:
                 for i, when in enumerate(("mean", "end")):
-                    entry[f"{metric}_{when}"] = _mean_std([s[k][metric][i] for k in keys])
+                    entry[f"{metric}_{when}"] = mean_std([s[k][metric][i] for k in keys])
             ends = [curves[k][max(curves[k])] for k in keys]
             entry["start_loss"] = float(np.mean([curves[k][0]["train_loss"] for k in keys]))
             entry["end_loss"] = float(np.mean([e["train_loss"] for e in ends]))
@@ -74,8 +75,8 @@ def summarize(rows, config):
     return out
 
 
-def _fmt(mean_std):
-    mean, std = mean_std
+def _fmt(value):
+    mean, std = value
     return f"{mean:.2e}" if math.isnan(std) else f"{mean:.2e} ± {std:.1e}"
 
 
@@ -201,7 +202,7 @@ def frontier(rows, config):
             for metric in FRONTIER_METRICS:
                 gap = float(np.mean([gaps[k][metric][0] for k in keys]))
                 k1_losses = [[curves[k][e][metric] for k in keys] for e in points]
-                noise = float(np.mean([_mean_std(v)[1] for v in k1_losses]))
+                noise = float(np.mean([mean_std(v)[1] for v in k1_losses]))
                 ratio = gap / noise if noise > 0 else math.inf
                 out[method, lr][metric] = (gap, noise, ratio)
     return out
@@ -295,7 +296,7 @@ def _noise_table(noise_rows, config):
         groups.setdefault(label, []).append(r)
     for label, rs in groups.items():
         cells = [label] + [
-            _fmt(_mean_std([r[k] for r in rs])).replace("e+", "e")
+            _fmt(mean_std([r[k] for r in rs])).replace("e+", "e")
             for k in ("noise_scale", "trace_sigma", "grad_sq_norm")
         ]
         lines.append(_row(cells))
@@ -323,7 +324,8 @@ def save_figure(fig, png):
         fig.savefig(f, format="png", dpi=100)
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -334,7 +336,7 @@ def _pyplot():
 
 def plot_spread(summary_rows, config, png):
     """Spread (mean over the run) versus base lr, a line per method."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(METRICS), figsize=(15, 4.2))
     for ax, metric in zip(axes, METRICS):
         for method in config["methods"]:
@@ -367,7 +369,7 @@ def plot_frontier(rows, config, png):
     table = frontier(rows, config)
     if not table:
         return False
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(FRONTIER_METRICS), figsize=(11, 4.2))
     lrs = config["learning_rates"]
     for ax, metric in zip(axes, FRONTIER_METRICS):
@@ -396,7 +398,7 @@ def plot_frontier(rows, config, png):
 def plot_method_curves(rows, config, lr, png):
     """Train loss and test accuracy versus examples seen at base lr `lr`:
     a column per method, a line per kappa (mean over seeds)."""
-    plt = _pyplot()
+    plt = pyplot()
     methods = config["methods"]
     fig, axes = plt.subplots(
         2, len(methods), figsize=(4 * len(methods), 7), sharey="row", squeeze=False

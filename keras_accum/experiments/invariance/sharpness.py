@@ -17,10 +17,9 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import sharpness
-from keras_accum.experiments import data
 from keras_accum.experiments.invariance import report
 from keras_accum.experiments.invariance.study import run_method
-from keras_accum.experiments.study_runner import StudyRunner, load_arrays, micro_batch_indices
+from keras_accum.experiments.study_runner import StudyRunner, micro_batch_indices
 
 RULES = ("invariant", "power", "fixed_beta_1")
 
@@ -59,13 +58,8 @@ def measure(config, learning_rates, seed=0, points=8, iterations=30, method="inv
     in `_velocities` (Adam, InvariantAdam). Returns a row per probe: lr,
     examples, train_loss, hessian_top, sharpness (S), sharpness_x_lr (S x
     the base lr)."""
-    info = data.dataset_info(config["dataset"], config["data_dir"])
-    x, y = load_arrays(config["dataset"], "train", config["data_dir"])
-    test = load_arrays(config["dataset"], "test", config["data_dir"])
+    runner, x, y = StudyRunner.for_config(config)
     n = config["train_eval_examples"]  # the study's train loss batch
-    runner = StudyRunner(
-        config["model"], info.input_shape, info.num_classes, {"train": (x[:n], y[:n]), "test": test}
-    )
     probe = SharpnessProbe(runner.model, x[:n], y[:n], iterations, config["epsilon"])
     b = config["micro_batch_size"]
     idx = micro_batch_indices(len(x), b, config["train_examples"] // b, seed)
@@ -131,7 +125,7 @@ def markdown(rows, config, run="kappa=1 (Adam)", kappa=8):
 
 def plot(rows, config, png, run="kappa=1 (Adam)", kappa=8):
     """S x lr versus examples, a line per base lr; dashed: the constants."""
-    plt = report._pyplot()
+    plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for lr in sorted({r["learning_rate"] for r in rows}):
         curve = [(r["examples"], r["sharpness_x_lr"]) for r in rows if r["learning_rate"] == lr]

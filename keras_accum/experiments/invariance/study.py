@@ -7,14 +7,14 @@ import time
 
 import tensorflow as tf
 
-from keras_accum.experiments import data, run_folder
+from keras_accum.experiments import run_folder
 from keras_accum.experiments.invariance import report
 from keras_accum.experiments.invariance.config import (
     method_optimizer,
     optimizer_hyperparameters,
     resolve_config,
 )
-from keras_accum.experiments.study_runner import StudyRunner, load_arrays, micro_batch_indices
+from keras_accum.experiments.study_runner import StudyRunner, micro_batch_indices
 from keras_accum.training import atomic
 
 # The files a study writes; summary.json comes last, so a folder without it
@@ -65,16 +65,7 @@ class InvarianceStudy:
     def __init__(self, config):
         self.config = config
         self.started, self.cpu_started = time.time(), time.process_time()
-        info = data.dataset_info(config["dataset"], config["data_dir"])
-        self.x_train, self.y_train = load_arrays(config["dataset"], "train", config["data_dir"])
-        test = load_arrays(config["dataset"], "test", config["data_dir"])
-        n_eval = config["train_eval_examples"]
-        self.trainer = StudyRunner(
-            config["model"],
-            info.input_shape,
-            info.num_classes,
-            {"train": (self.x_train[:n_eval], self.y_train[:n_eval]), "test": test},
-        )
+        self.trainer, self.x_train, self.y_train = StudyRunner.for_config(config)
         self.rows, self.noise_rows, self.done = [], [], 0
         share, methods = config["share_kappa1"], config["methods"]
         per_seed = len(config["learning_rates"]) * sum(
