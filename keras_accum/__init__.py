@@ -22,11 +22,12 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+from keras_accum.adaptive_steps import AdaptiveSteps  # noqa: E402
 from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402
 from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
 from keras_accum.remat import rematerialize  # noqa: E402
 from keras_accum.scaling import scale_hyperparameters  # noqa: E402
-from keras_accum.schedules import AdaptiveSteps, PiecewiseSteps  # noqa: E402
+from keras_accum.schedules import PiecewiseSteps  # noqa: E402
 from keras_accum.update_accumulation_adam import (  # noqa: E402
     UpdateAccumulationAdam,
 )

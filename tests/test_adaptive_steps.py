@@ -254,3 +254,15 @@ def test_refuses_bad_arguments(name, kwargs, echo):
         ka.AdaptiveSteps(**{"max_steps": 8, **kwargs})
     message = str(raised.value)
     assert "\n" not in message and f"`{name}`" in message and echo in message, message
+
+
+def test_first_home_still_imports_the_same_class():
+    # keras_accum.schedules was AdaptiveSteps' home in 0.2.0; it is looked up
+    # there on use, so neither module imports the other while it loads.
+    from keras_accum import adaptive_steps, schedules
+    from keras_accum.schedules import AdaptiveSteps
+
+    assert AdaptiveSteps is schedules.AdaptiveSteps is adaptive_steps.AdaptiveSteps
+    assert AdaptiveSteps is ka.AdaptiveSteps
+    with pytest.raises(AttributeError, match="NoSuchSchedule"):
+        schedules.NoSuchSchedule  # noqa: B018
