@@ -28,11 +28,8 @@ flags.DEFINE_string(
     "saved_configs/invariance.py",
     "saved_configs/*.py file or a run folder's config.json.",
 )
-flags.DEFINE_enum(
-    "variant",
-    "full",
-    ["full", "quick", "frontier", "smoke"],
-    "Which get_config(variant) of a .py config.",
+flags.DEFINE_string(
+    "variant", "full", "Which get_config(variant) of a .py config (the config file checks it)."
 )
 flags.DEFINE_string("workdir", None, "Output folder (default runs/invariance-<variant>-<time>).")
 # One flag per study config key (unset: keep the config's value).

@@ -50,6 +50,9 @@ def test_observe_matches_the_reference(smoothing, settle):
     built(schedule)
     expected = np_adaptive(ESTIMATES, 2, 8, 32, smoothing, settle, first=2)
     for b, (smoothed, n, steps) in zip(ESTIMATES, expected):
+        before = int(schedule.steps), int(schedule.observations)
+        assert int(schedule.propose(b)) == steps  # the reference, no state change
+        assert (int(schedule.steps), int(schedule.observations)) == before
         assert int(schedule.observe(b)) == steps
         decision = schedule.decisions[-1]
         np.testing.assert_allclose(decision.smoothed, smoothed, rtol=1e-12)

@@ -297,6 +297,26 @@ def test_script_subprocess_error_is_one_line(args, words, data_dir, tmp_path):
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize(
+    "script,variants",
+    [("invariance.py", "'full', 'quick', 'frontier', 'smoke'"), ("schedules_study.py", "'smoke'")],
+)
+def test_study_script_refuses_an_unknown_variant_in_one_line(script, variants, tmp_path):
+    # The config file owns its variants; the script passes the flag on.
+    workdir = tmp_path / "study"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), "--variant=nope", f"--workdir={workdir}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert_one_line(error, "variant='nope'", variants)
+    assert not workdir.exists()
+
+
 def test_script_subprocess_names_a_corrupt_config_json(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

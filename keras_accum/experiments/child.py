@@ -82,3 +82,10 @@ def memory_info() -> dict[str, int] | None:
     except (ValueError, tf.errors.InvalidArgumentError):
         return None
     return info if info["peak"] else None
+
+
+def peak_mb() -> float | None:
+    """The allocator's peak since `reset_peak` in MB (2 decimals), or None
+    where it reports none."""
+    info = memory_info()
+    return round(info["peak"] / 2**20, 2) if info else None

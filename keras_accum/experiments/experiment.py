@@ -211,8 +211,7 @@ def _peak_memory(verbose):
     MB: weights, optimizer state, data buffers and the step's activations
     (None unless it reports one: a GPU, or TF_CPU_ALLOCATOR_USE_BFC=true,
     which scripts/train.py sets); printed when `verbose`."""
-    info = child.memory_info()
-    peak = round(info["peak"] / 2**20, 2) if info else None
+    peak = child.peak_mb()
     if verbose and peak is not None:
         print(f"Peak tensor memory: {peak:.1f} MB", flush=True)
     return peak

@@ -89,9 +89,8 @@ def _measure_here(config, micro_batch, remat):
     child.reset_peak()
     model = experiment._build_model(config, info, config["steps"], total_updates=1)
     model.fit(stream, steps_per_epoch=MEASURED_STEPS, epochs=1, verbose=0)
-    info = child.memory_info()
     return {
-        "peak_mb": round(info["peak"] / 2**20, 2) if info else None,
+        "peak_mb": child.peak_mb(),
         "micro_batch": micro_batch,
         "remat": remat,
         "device": child.allocator(),
