@@ -126,14 +126,17 @@ def adam_micro_step(grads, handles, scalars, start, keep=True):
 
     `handles`: (m, v, A or None, theta, decays) per variable, decays the
     weight decay factor (or None); `scalars` = (alpha, rate_1, rate_2,
-    epsilon, learning_rate): the bias-corrected rate of this micro-step,
-    1 - beta_1, 1 - beta_2, epsilon and the learning rate, float32. `keep`
+    epsilon, learning_rate): the bias-corrected rate of this micro-step (by
+    dtype name: a variable's own dtype without a buffer, as Keras Adam
+    computes it, else "float32"), 1 - beta_1, 1 - beta_2, epsilon and the
+    learning rate, float32. `keep`
     False (a skipped micro-step): m, v and theta unchanged, A = 0 at the
     window's start.
     """
-    alpha, rate_1, rate_2, epsilon, learning_rate = scalars
+    alphas, rate_1, rate_2, epsilon, learning_rate = scalars
     for g, (m_handle, v_handle, a_handle, theta_handle, decay) in zip(grads, handles):
         dtype = g.dtype
+        alpha = alphas.get(dtype.name, alphas.get("float32"))
         cast = lambda x, dtype=dtype: tf.cast(x, dtype)
         factor = None if isinstance(keep, bool) else cast(keep)
         if keep is False:

@@ -40,7 +40,12 @@ class InvariantAdam(AdamFamily):
 
     Conventions:
     * epsilon sits outside the square root as in `keras.optimizers.Adam`, so
-      that `steps=1` on one replica is exactly Keras Adam. The authors' code
+      that `steps=1` on one replica is Keras Adam, bit for bit, for
+      float32, float16 and bfloat16 variables and under mixed_float16,
+      except for an `Embedding` whose rows repeat within a batch: Keras's
+      Adam squares each row of the `tf.IndexedSlices` before the rows of a
+      token are summed, this optimizer sums them first (the exact batch
+      gradient) and equals Keras's Adam given the dense gradient. The authors' code
       (github.com/xidulu/batch_size_invariant_adamW) puts it inside
       (`sqrt(v + eps)`, eps=1e-16).
     * Gradients arrive in the Keras convention (each replica's share of the

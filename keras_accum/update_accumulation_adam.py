@@ -32,7 +32,15 @@ class UpdateAccumulationAdam(AdamFamily):
     scaled up with `steps`. A schedule is evaluated at the update count.
 
     Memory: Adam's two moments plus one parameter-sized buffer A (none when
-    `steps=1`, which is exactly `keras.optimizers.Adam`).
+    `steps=1`).
+
+    With `steps=1` on one replica this is `keras.optimizers.Adam`, bit for
+    bit, for float32, float16 and bfloat16 variables and under
+    mixed_float16, with one exception: an `Embedding` whose rows repeat
+    within a batch. Its gradient arrives as `tf.IndexedSlices`; Keras's
+    Adam squares each row before the rows of a token are summed, this
+    optimizer sums them first (the exact gradient of the batch) and equals
+    Keras's Adam given the dense gradient.
 
     `nonfinite="skip_micro_batch"` leaves a non-finite micro-step out of the
     moments (on all replicas, since they share them); `"skip_window"` also
@@ -90,9 +98,17 @@ class UpdateAccumulationAdam(AdamFamily):
         t = self._moment_steps.assign_add(1 if ok is None else tf.cast(ok, "int64"))
         # alpha_t with t = micro-steps folded into the moments so far (>= 1,
         # also before the first finite one)
-        alpha = self._adam_alpha(self.learning_rate, tf.maximum(t, 1), "float32")
+        # With no buffer A (plain Adam) alpha is computed in each variable's
+        # dtype, as Keras Adam does (in bfloat16 beta_2 = 0.999 rounds to 1,
+        # and Keras's alpha is 0); with a buffer, in float32.
+        count = tf.maximum(t, 1)
+        dtypes = {v.dtype for v in variables} if self._updates is None else {"float32"}
+        alphas = {
+            tf.as_dtype(dtype).name: self._adam_alpha(self.learning_rate, count, dtype)
+            for dtype in dtypes
+        }
         scalars = (
-            alpha,
+            alphas,
             tf.constant(1 - self.beta_1, "float32"),
             tf.constant(1 - self.beta_2, "float32"),
             tf.constant(self.epsilon, "float32"),
