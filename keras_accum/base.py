@@ -191,7 +191,7 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         if not self.takes_weights:
             self._refuse_weight(weight)
         elif weight is None:  # `weigh_micro_batches` under model.fit
-            weight = weighing.pending_weight()
+            weight = self._default_weight()
         weight = weighing.check_weight(weight)
         self._check_strategy()
         if not self.built:
@@ -246,13 +246,10 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
                 "use GradientAccumulation(keras.optimizers.Adam(...)) for a "
                 f"mean weighted by item counts. Received: weight={weight!r}"
             )
-        if weighing.pending_weight() is not None:
-            raise ValueError(
-                f"`weigh_micro_batches(model)` has no effect with {name}, which "
-                "averages micro-batches equally: compile the model with "
-                "GradientAccumulation(...) to weigh them, or build the model "
-                f"again without it. Received: optimizer={self.name!r}"
-            )
+
+    def _default_weight(self):
+        """The weight of an `apply` given none (None: one)."""
+        return None
 
     def _merge_apply(self, grads, trainable_variables, weight, overwrite):
         # Cross-replica context from here on: `grads` are per-replica values.

@@ -5,7 +5,17 @@ from typing import Any
 import tensorflow as tf
 from keras import optimizers, saving
 
-from keras_accum import _execution, _replicas, _tensors, base, folds, nonfinite, schedules, weighing
+from keras_accum import (
+    _compat,
+    _execution,
+    _replicas,
+    _tensors,
+    base,
+    folds,
+    nonfinite,
+    schedules,
+    weighing,
+)
 
 
 @saving.register_keras_serializable(package="keras_accum")
@@ -96,6 +106,20 @@ class GradientAccumulation(base.AccumulationOptimizer):
             )
         super().__init__(learning_rate=0.0, steps=steps, nonfinite=nonfinite, name=name)
         self.inner_optimizer = optimizer
+        self._fit_items = None  # `weigh_micro_batches`: see `fit_items`
+
+    def fit_items(self) -> weighing.FitItems:
+        """The replica-local item count `weigh_micro_batches` writes under
+        `model.fit` and `apply` reads when it is given no `weight` (created
+        on first call, under this optimizer's strategy)."""
+        if self._fit_items is None:
+            with _compat.optimizer_strategy(self).scope():
+                self._fit_items = weighing.FitItems()
+        return self._fit_items
+
+    def _default_weight(self):
+        # Under `weigh_micro_batches`: the count its loss recorded this step.
+        return None if self._fit_items is None else self._fit_items.take()
 
     def build(self, var_list):
         if self.built:
@@ -213,8 +237,14 @@ class GradientAccumulation(base.AccumulationOptimizer):
         if isinstance(weight, weighing.ReplicaItems):
             # g = (mean gradient over this replica's n items) / replicas, so
             # its summed-loss gradient is n * replicas * g; W counts items.
+            # n = 0 (no count recorded this step: the model was compiled
+            # again without weighing) counts the micro-batch as one.
             items = tf.cast(weight.items, "float32")
-            return items * replicas, items
+            recorded = items > 0.0
+            return (
+                tf.where(recorded, items * replicas, 1.0),
+                tf.where(recorded, items, 1.0 / replicas),
+            )
         # g is this replica's share of the global mean over `weight` items,
         # so weight * g is its summed-loss gradient. W_r gets an equal share.
         scale = tf.cast(weight, "float32")

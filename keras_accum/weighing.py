@@ -6,37 +6,34 @@ each count as `optimizer.apply(grads, vars, weight=n)`. Under `model.fit`,
 Keras's `train_step` calls `apply` without one; `weigh_micro_batches(model)`
 makes the count reach `apply` all the same.
 
-How it travels under `model.fit` (the one place it does): Keras's
-`LossScaleOptimizer` (mixed precision) calls the wrapped optimizer's `apply`
-from threads of its own and takes no extra argument, so the count cannot be
-passed down the call. `weigh_micro_batches` wraps the model's
-`compute_loss`, which records the denominator Keras divides the loss by for
-the step being traced, keyed by replica (`pending_weight` reads it back in
-`GradientAccumulation.apply`), and its `train_step`, which clears it.
+How it travels under `model.fit`: the optimizer owns a replica-local
+variable (`GradientAccumulation.fit_items()`, one value per replica, not
+part of its saved state). `weigh_micro_batches` wraps the loss the model was
+compiled with (`model.compile(loss=...)`, which Keras's `compute_loss`
+calls with the micro-batch's targets, predictions and sample weights); the
+wrapper writes the denominator Keras divides that loss by into the
+variable, and `apply`, called later in the same step, reads it and resets
+it to 0. Nothing is set on the model's or the optimizer's methods, and
+nothing passes outside a variable (Keras's `LossScaleOptimizer` calls
+`apply` from threads of its own: a variable per replica is not per thread).
 """
-
-import collections
-import threading
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_accum import _replicas
+from keras_accum import _compat
 from keras_accum.validation import check_float
 
-# `apply(weight=ReplicaItems(n))`: n items (or tokens: the loss denominator)
-# on this replica, gradients in the model.fit convention (this replica's mean
-# gradient / replicas). Set by `weigh_micro_batches`.
-ReplicaItems = collections.namedtuple("ReplicaItems", ["items"])
 
-# The loss denominator of the micro-batch being traced on this thread, set
-# by `weigh_micro_batches`. MirroredStrategy traces each replica on its own
-# thread, so this is each replica's own count.
-_fit_items = threading.local()
-# The same by replica id, while a weighed `train_step` is traced: a
-# `LossScaleOptimizer` around us calls `apply` from threads of its own.
-_fit_items_by_replica = {}
+class ReplicaItems:
+    """`apply(weight=ReplicaItems(n))`: n items (or tokens: the loss
+    denominator) on this replica, gradients in the model.fit convention
+    (this replica's mean gradient / replicas); n = 0 means "not recorded":
+    the micro-batch then counts as one, as without weighing."""
+
+    def __init__(self, items):
+        self.items = items
 
 
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -82,7 +79,7 @@ def loss_denominator(reduction, x, y_pred, sample_weight):
     element count, which is all the weighting needs)."""
     mask = None
     if reduction is not None and not isinstance(y_pred, (dict, list, tuple)):
-        mask = getattr(y_pred, "_keras_mask", None)  # Keras's mask on a tensor
+        mask = _compat.keras_mask(y_pred)
     weights = None
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
         weights = tf.cast(keras.tree.flatten(sample_weight)[0], "float32")
@@ -118,10 +115,16 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     `weigh_micro_batches(model)`, each replica passes the denominator Keras
     divided its summed loss by (tokens with nonzero weight, items), and the
     window mean is sum_r D_r g_r / sum_r D_r: exactly the big batch, on one
-    device or across replicas. Needs one loss for token means. Call it after
-    `compile`; it holds through later `compile` calls (the loss is read when
-    the step is traced), not through `keras.models.load_model`, which
-    builds a new model: call it again there. Returns `model`.
+    device or across replicas.
+
+    Call it after `model.compile` (any Sequential, Functional or subclassed
+    model), and again after every later `compile` or
+    `keras.models.load_model`: it wraps the loss of that compile (Keras
+    leaves no public hook between a step's loss and its `apply`; the
+    wrapped loss is the one place that sees the denominator, and `compile`
+    replaces it). A model whose own `compute_loss` does not use the
+    compiled loss is not weighed. Needs one loss for token means. Returns
+    `model`.
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a `keras.Model`. Received: model={model!r}")
@@ -131,47 +134,73 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
             f"Received: model={model.name!r} (not compiled)"
         )
     _reduction(model)  # refuse a loss it cannot weigh now, not at the first step
-    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # a loss scaler's
-    if getattr(optimizer, "takes_weights", True) is False:
+    optimizer = model.optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    if not getattr(optimizer, "takes_weights", False):
+        name = type(optimizer).__name__
         raise ValueError(
-            f"`weigh_micro_batches` has no effect with {type(optimizer).__name__}, which "
-            "averages micro-batches equally; compile with GradientAccumulation(...) "
-            f"to weigh them. Received: optimizer={optimizer.name!r}"
+            f"`weigh_micro_batches` has no effect with {name}, which "
+            + (
+                "averages micro-batches equally; "
+                if hasattr(optimizer, "takes_weights")
+                else "does not accumulate micro-batches; "
+            )
+            + "compile with GradientAccumulation(...) to weigh them. "
+            f"Received: optimizer={getattr(optimizer, 'name', optimizer)!r}"
         )
-    original_step, original_loss = model.train_step, model.compute_loss
-    pass_training = getattr(model, "_compute_loss_has_training_arg", True)
-
-    def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        if getattr(_fit_items, "active", False):
-            # The loss as compiled now: a later `compile` may change it.
-            reduction = _reduction(model)
-            _fit_items.value = loss_denominator(reduction, x, y_pred, sample_weight)
-            _fit_items_by_replica[_replicas.replica_id()] = _fit_items.value
-        if pass_training:
-            return original_loss(x, y, y_pred, sample_weight, training=training)
-        return original_loss(x, y, y_pred, sample_weight)
-
-    def train_step(data):
-        _fit_items.active = True
-        try:
-            return original_step(data)
-        finally:
-            _fit_items.active, _fit_items.value = False, None
-            _fit_items_by_replica.pop(_replicas.replica_id(), None)
-
-    model.compute_loss = compute_loss
-    model.train_step = train_step
-    model.train_function = None  # rebuild with the new step
+    compiled = _compat.compiled_loss(model)
+    if isinstance(compiled, _WeighedLoss):
+        compiled = compiled.compiled  # weighed twice: once is enough
+    _compat.set_compiled_loss(model, _WeighedLoss(compiled, model, optimizer.fit_items()))
+    model.make_train_function(force=True)  # trace again with the weighed loss
     return model
 
 
-def pending_weight():
-    """The loss denominator `weigh_micro_batches` recorded for the step
-    being traced on this replica, as `ReplicaItems`, or None."""
-    items = getattr(_fit_items, "value", None)
-    if items is None:
-        items = _fit_items_by_replica.get(_replicas.replica_id())
-    return None if items is None else ReplicaItems(items)
+class _WeighedLoss:
+    """The loss a model was compiled with (Keras's `CompileLoss`), which
+    also records each call's denominator in `items` (the optimizer's
+    `FitItems`). Every other attribute is the compiled loss's."""
+
+    def __init__(self, compiled, model, items):
+        self.compiled, self._model, self._items = compiled, model, items
+
+    def __call__(self, y_true, y_pred, sample_weight=None, *args, **kwargs):
+        # The loss as compiled now (`_reduction` reads `model.loss`).
+        self._items.record(loss_denominator(_reduction(self._model), y_pred, y_pred, sample_weight))
+        return self.compiled(y_true, y_pred, sample_weight, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+class FitItems:
+    """What `weigh_micro_batches` hands `GradientAccumulation.apply` under
+    `model.fit`: a replica-local float32 scalar (one value per replica,
+    created under the optimizer's strategy), written by the weighed loss
+    and taken, then reset to 0, by `apply` in the same step. Not part of
+    the optimizer's saved state."""
+
+    def __init__(self):
+        self.variable = tf.Variable(
+            0.0,
+            trainable=False,
+            dtype="float32",
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+            name="fit_items",
+        )
+
+    def record(self, items):
+        """Replica context: this replica's micro-batch weighs `items`."""
+        self.variable.assign(tf.cast(items, "float32"))
+
+    def take(self):
+        """Replica context: the recorded count as `ReplicaItems` (0 if
+        none was recorded this step), the variable reset to 0."""
+        items = tf.identity(self.variable.read_value())
+        self.variable.assign(0.0)
+        return ReplicaItems(items)
 
 
 def check_weight(weight):
