@@ -46,7 +46,7 @@ import keras
 import tensorflow as tf
 from keras import optimizers
 
-from keras_accum import _execution, _replicas, _tensors, nonfinite, schedules, weighing
+from keras_accum import _compat, _execution, _replicas, _tensors, nonfinite, schedules, weighing
 from keras_accum._saving import StateMixin
 from keras_accum.validation import check_choice
 from keras_accum.window import WindowMixin
@@ -70,6 +70,9 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
 
     def build(self, var_list):
+        # `model.fit` builds the optimizer before its first `apply`: a
+        # strategy mix-up must be named here, before TensorFlow fails on it.
+        self._check_strategy()
         # What a saved, never-built instance holds (see `load_own_variables`).
         self._unbuilt_count = len(self.variables)
         super().build(var_list)
@@ -226,13 +229,14 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         neither."""
         strategy = tf.distribute.get_strategy()
         for optimizer in [self, *self._wrapped_optimizers()]:
-            if optimizer._distribution_strategy is not strategy:
+            created = _compat.optimizer_strategy(optimizer)
+            if created is not strategy:
                 raise ValueError(
                     f"Optimizer '{optimizer.name}' ({type(optimizer).__name__}) was created "
                     f"under another tf.distribute strategy than the "
                     f"{type(strategy).__name__} it is applied in: create it, and any "
                     "optimizer it wraps, inside `strategy.scope()`, with the model. "
-                    f"Received: created under {type(optimizer._distribution_strategy).__name__}"
+                    f"Received: created under {type(created).__name__}"
                 )
 
     def _refuse_weight(self, weight):

@@ -75,6 +75,29 @@ def test_apply_in_cross_replica_context_is_an_error():
             opt.apply([tf.zeros(2)], [var])
 
 
+@pytest.mark.parametrize(
+    "name, outside",
+    [(name, "optimizer") for name in sorted(OPTIMIZERS)] + [("gradient_accumulation", "inner")],
+)
+def test_optimizer_created_outside_the_scope_is_named_under_fit(name, outside):
+    # Keras builds the optimizer before its first `apply`: the check must
+    # fire in `build`, else TensorFlow's "Mixing different tf.distribute.
+    # Strategy objects" comes first.
+    strategy = mirrored_strategy()
+    if outside == "inner":
+        inner = keras.optimizers.SGD(0.1)
+        with strategy.scope():
+            optimizer = ka.GradientAccumulation(inner, steps=2)
+    else:
+        optimizer = OPTIMIZERS[name](steps=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(ValueError, match=r"was created under another tf.distribute strategy"):
+        model.fit(x, y, batch_size=4, verbose=0)
+
+
 # -- scale_hyperparameters ----------------------------------------------------
 
 BASE = dict(learning_rate=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7)
