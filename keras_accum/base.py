@@ -38,6 +38,8 @@ State, field by field (creation order is the checkpoint format):
 in the current window, for `"skip_window"`), then each subclass's slots.
 """
 
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +54,21 @@ from keras_accum.validation import check_choice
 from keras_accum.window import WindowMixin
 
 NONFINITE_POLICIES = tuple(nonfinite.POLICIES)
+
+
+# Frames of these packages are not where a user's call is.
+_LIBRARIES = tuple(
+    os.path.dirname(module.__file__) + os.sep for module in (keras, tf, sys.modules[__package__])
+)
+
+
+def _caller_stacklevel():
+    """The `stacklevel` that points a warning at the first frame outside
+    keras_accum, Keras and TensorFlow (the user's `fit` call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
@@ -130,10 +147,13 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
     def _warn_pending_window(self):
         """Says so when training ends inside a window, whose micro-batches
         are accumulated but not applied."""
-        if not tf.executing_eagerly():
+        if not tf.executing_eagerly() or getattr(self, "_warned_pending", False):
             return
         pending = self.pending_micro_batches()
         if pending:
+            # Once per optimizer: `fit(epochs=1)` in a loop is a pattern the
+            # README shows, and a partial window carries over to the next.
+            self._warned_pending = True
             size = self.steps if isinstance(self.steps, int) else int(self._window_size.numpy())
             warnings.warn(
                 f"{type(self).__name__} '{self.name}': training ended inside a window: "
@@ -141,7 +161,7 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
                 "but not applied. They are applied if training goes on with this "
                 "optimizer (its state is saved with it); to end on an update, make "
                 "the micro-batches trained a multiple of `steps`.",
-                stacklevel=3,
+                stacklevel=_caller_stacklevel(),
             )
 
     def has_updated(self):

@@ -207,9 +207,21 @@ def test_fit_ending_inside_a_window_says_so(name):
     # 60 examples, micro-batch 4, steps=4: 15 micro-batches, 3 never applied.
     model = _dense_model(MAKERS[name](steps=4))
     x = np.ones((60, 3), "float32")
-    with pytest.warns(UserWarning, match=r"ended inside a window: 3 of its 4 micro-batches"):
+    with pytest.warns(UserWarning, match=r"ended inside a window: 3 of its 4 micro-batches") as w:
         model.fit(x, x[:, :1], batch_size=4, verbose=0)
     assert model.optimizer.pending_micro_batches() == 3
+    # It points at the caller's `fit`, not at a line of Keras.
+    (warning,) = [x for x in w.list if "inside a window" in str(x.message)]
+    assert warning.filename == __file__, warning.filename
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_fit_in_a_loop_is_told_of_the_pending_window_once(name, recwarn):
+    model = _dense_model(MAKERS[name](steps=4))
+    x = np.ones((60, 3), "float32")
+    for _ in range(3):  # 15, 30, 45 micro-batches: each fit ends inside a window
+        model.fit(x, x[:, :1], batch_size=4, verbose=0)
+    assert len([w for w in recwarn.list if "inside a window" in str(w.message)]) == 1
 
 
 @pytest.mark.parametrize("name", MAKERS)
