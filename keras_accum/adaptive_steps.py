@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import tensorflow as tf
@@ -279,6 +280,17 @@ class AdaptiveSteps(StepsSchedule):
     @classmethod
     def from_config(cls, config: dict) -> AdaptiveSteps:
         config = dict(config)
+        if "smoothing" not in config and "min_observations" not in config:
+            # Saved by keras_accum 0.2.0, whose rule took each estimate as
+            # it came: load that rule, not today's defaults, and say so.
+            config.update(OLD_RULE)
+            warnings.warn(
+                "AdaptiveSteps saved by keras_accum 0.2.0 (no `smoothing`, no "
+                "`min_observations` in its config): loaded with the rule it ran, "
+                f"{_kwargs(OLD_RULE)}; the defaults are now {_kwargs(NEW_DEFAULTS)}. "
+                "Pass them to a new AdaptiveSteps to change rule.",
+                stacklevel=2,
+            )
         if isinstance(config.get("warmup"), dict):
             config["warmup"] = saving.deserialize_keras_object(config["warmup"])
         return cls(**config)
@@ -290,6 +302,15 @@ class AdaptiveSteps(StepsSchedule):
             f"min_observations={self.min_observations}, warmup={self.warmup!r}, "
             f"powers_of_two={self.powers_of_two})"
         )
+
+
+# The rule of 0.2.0 (each estimate taken as it came) and today's defaults.
+OLD_RULE = {"smoothing": 0.0, "min_observations": 1}
+NEW_DEFAULTS = {"smoothing": 0.9, "min_observations": 4}
+
+
+def _kwargs(values):
+    return ", ".join(f"{key}={value}" for key, value in values.items())
 
 
 def _check_warmup(warmup, max_steps):

@@ -269,3 +269,25 @@ def test_first_home_still_imports_the_same_class():
     assert AdaptiveSteps is ka.AdaptiveSteps
     with pytest.raises(AttributeError, match="NoSuchSchedule"):
         schedules.NoSuchSchedule  # noqa: B018
+
+
+def test_a_config_saved_by_0_2_0_loads_its_own_rule_and_says_so():
+    # 0.2.0 saved min_steps, max_steps and micro_batch_size only; its rule
+    # took each estimate as it came (smoothing 0, a decision from the first).
+    old = {"min_steps": 1, "max_steps": 8, "micro_batch_size": 32}
+    with pytest.warns(
+        UserWarning,
+        match=r"0\.2\.0.*smoothing=0\.0, min_observations=1.*"
+        r"now smoothing=0\.9, min_observations=4",
+    ):
+        loaded = ka.AdaptiveSteps.from_config(old)
+    assert (loaded.smoothing, loaded.min_observations) == (0.0, 1)
+    defaults = ka.AdaptiveSteps()
+    assert (defaults.smoothing, defaults.min_observations) == (0.9, 4)
+
+
+def test_a_current_config_loads_without_a_warning(recwarn):
+    config = ka.AdaptiveSteps(2, 8, 16, smoothing=0.5).get_config()
+    loaded = ka.AdaptiveSteps.from_config(config)
+    assert loaded.get_config() == config
+    assert not [w for w in recwarn.list if "0.2.0" in str(w.message)]
