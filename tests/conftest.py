@@ -44,3 +44,55 @@ def micro_steps(trainer, dataset, count):
 # A worker script run as a subprocess, not a test module (doctest collection
 # would import it and run its argument parser).
 collect_ignore = ["_train_job.py"]
+
+
+# -- tiers ---------------------------------------------------------------------
+# `python3 -m pytest -q` runs the fast tier: every library behaviour, numpy
+# reference, ported case and in-process bad-input table. The slow tier
+# (`python3 -m pytest -q -m slow`, run by .ci/run after the fast one) holds
+# what runs whole studies, drills, benchmarks or other processes. A test sits
+# in exactly one tier; a new slow test goes in SLOW_FILES or SLOW_TESTS.
+
+# Whole files: studies, drills, benchmark smoke runs, multi-process runs.
+SLOW_FILES = {
+    "test_bench.py",  # bench smoke runs and the bench script
+    "test_held_memory.py",  # a subprocess per measurement
+    "test_invariance.py",  # the invariance study end to end
+    "test_kill_drill.py",  # the SIGKILL drill
+    "test_multiworker.py",  # two worker processes on 127.0.0.1
+    "test_schedules_study.py",  # the schedules study end to end
+}
+# Single tests that start the scripts in a subprocess or kill one.
+SLOW_TESTS = {
+    "test_bad_input.py": {
+        "test_script_subprocess_error_is_one_line",
+        "test_study_script_refuses_an_unknown_variant_in_one_line",
+        "test_script_subprocess_names_a_corrupt_config_json",
+    },
+    "test_data.py": {"test_mnist1d_prepared_by_two_processes_at_once"},
+    "test_experiment.py": {
+        "test_script_unknown_flag_lists_valid_flags",
+        "test_script_missing_dataset_fails_fast",
+        "test_script_trains_and_reports",
+        "test_script_runs_two_local_workers",
+    },
+    "test_run_folder.py": {
+        "test_new_run_killed_early_is_taken_by_either_command",
+        "test_resume_of_an_unstarted_run_takes_its_edited_config",
+    },
+    "test_training.py": {
+        "test_killed_run_resumes_to_the_same_weights",
+        "test_kill_inside_a_write_keeps_the_previous_file",
+        "test_kill_between_writes_and_a_failed_write",
+    },
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        file = item.path.name
+        name = getattr(item, "originalname", item.name)
+        if file in SLOW_FILES or name in SLOW_TESTS.get(file, ()):
+            item.add_marker(pytest.mark.slow)
