@@ -7,6 +7,8 @@ it was checked on; when Keras changes one of these names, this is the file
 to change, and `tests/test_compat.py` the test that says so.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 # -- model.fit ------------------------------------------------------------------
@@ -46,3 +48,34 @@ def in_xla():
     from tensorflow.python.ops import control_flow_util
 
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+_ASSIGNS = ("assign", "assign_add", "assign_sub")
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def routed_assigns(optimizer, writer):
+    """While the block runs, `optimizer.assign`, `assign_add` and
+    `assign_sub` are `writer`'s; then what they were is put back.
+
+    Under XLA on one replica `GradientAccumulation` runs its inner Keras
+    optimizer's update on every micro-step and keeps its writes only at a
+    window's end (a select: a `tf.cond` makes XLA copy every variable the
+    branch writes). Keras's TensorFlow optimizer has no stateless route
+    (`stateless_apply` raises), and its `update_step` takes no writer but
+    writes slots and variables only through `self.assign*` (the premise,
+    pinned by `tests/test_compat.py` for Keras's optimizers). Checked on
+    Keras 3.10-3.15.
+    """
+    saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _ASSIGNS}
+    for name in _ASSIGNS:
+        setattr(optimizer, name, getattr(writer, name))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                delattr(optimizer, name)
+            else:
+                setattr(optimizer, name, value)

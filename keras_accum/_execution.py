@@ -28,14 +28,13 @@ import weakref
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
-from keras_accum import _replicas
+from keras_accum import _compat, _replicas
 
 
 def in_xla():
     """True while tracing for XLA (`jit_compile=True`)."""
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    return _compat.in_xla()
 
 
 def where(condition, x, y):
@@ -177,22 +176,13 @@ class KeptWrites:
             self, lambda variable, value: type(optimizer).assign(optimizer, variable, value)
         )
 
-    @contextlib.contextmanager
     def routing(self, optimizer):
         """Routes the `assign*` methods of a Keras optimizer that this
         library wraps (`GradientAccumulation`'s) through `assign` while the
-        update runs. Its `update_step` writes with its own methods and takes
-        no writer, so there, and only there, the three methods are replaced
-        on the instance for the duration."""
-        names = ("assign", "assign_add", "assign_sub")
-        writer = self.writer(optimizer)
-        for name in names:
-            setattr(optimizer, name, getattr(writer, name))
-        try:
-            yield
-        finally:
-            for name in names:
-                delattr(optimizer, name)
+        update runs (`_compat.routed_assigns`: its `update_step` takes no
+        writer; a `tf.cond` around it instead copies ~5 parameter-sized
+        buffers per micro-step under XLA)."""
+        return _compat.routed_assigns(optimizer, self.writer(optimizer))
 
 
 class _KeptWriter:
