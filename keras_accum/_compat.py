@@ -79,3 +79,107 @@ def routed_assigns(optimizer, writer):
                 delattr(optimizer, name)
             else:
                 setattr(optimizer, name, value)
+
+
+# The optimizer-subclass contract that Keras's own optimizers use (adam.py,
+# loss_scale_optimizer.py) but does not document as public.
+
+
+def variable_index(optimizer, variable):
+    """The index of a trainable `variable` in the lists of slots built by
+    `optimizer.build` (what Keras's `adam.py` uses). Checked on Keras
+    3.10-3.15."""
+    return optimizer._get_variable_index(variable)
+
+
+def trainable_variables(optimizer):
+    """The variables `optimizer` was built with. Checked on Keras 3.10-3.15."""
+    return optimizer._trainable_variables
+
+
+def own_variables(optimizer):
+    """`optimizer`'s own variables, without those of an optimizer it wraps
+    (Keras's `variables` of a wrapper adds them). Checked on Keras 3.10-3.15."""
+    return optimizer._variables
+
+
+def update_counter(optimizer):
+    """The variable behind `optimizer.iterations`, also where a subclass
+    shows another counter as `iterations` (`GradientAccumulation` shows its
+    inner optimizer's). Checked on Keras 3.10-3.15."""
+    return optimizer._iterations
+
+
+def track_variable(optimizer, variable):
+    """Makes `variable` part of `optimizer.variables` (its saved state),
+    for a variable `add_variable` cannot make (replica-local). Checked on
+    Keras 3.10-3.15."""
+    optimizer._track_variable(variable)
+
+
+def learning_rate_schedule(optimizer):
+    """The learning rate as given (a float, a variable, a schedule or a
+    callable), before Keras evaluates it at `iterations`. Checked on Keras
+    3.10-3.15."""
+    return optimizer._learning_rate
+
+
+def clip_gradients(optimizer, grads):
+    """Keras's `clipnorm`, `clipvalue` and `global_clipnorm` applied to
+    `grads`. Checked on Keras 3.10-3.15."""
+    return optimizer._clip_gradients(grads)
+
+
+def uses_weight_decay(optimizer, variable):
+    """False where `exclude_from_weight_decay` exempts `variable`. Checked
+    on Keras 3.10-3.15."""
+    return optimizer._use_weight_decay(variable)
+
+
+def ema_averages(optimizer):
+    """The moving averages of the weights (`use_ema=True`), one per
+    trainable variable. Checked on Keras 3.10-3.15."""
+    return optimizer._model_variables_moving_average
+
+
+def update_ema(optimizer, variables):
+    """Keras's EMA step of the weights (momentum `ema_momentum`). Checked
+    on Keras 3.10-3.15."""
+    optimizer._update_model_variables_moving_average(variables)
+
+
+def overwrite_with_ema(optimizer, variables):
+    """Keras's periodic overwrite of the weights with their averages
+    (`ema_overwrite_frequency`). Checked on Keras 3.10-3.15."""
+    optimizer._overwrite_model_variables_with_average_value(variables)
+
+
+# -- the custom loop ------------------------------------------------------------
+
+
+def progbar_seen(bar):
+    """Steps a `keras.utils.Progbar` has shown. Checked on Keras 3.10-3.15."""
+    return bar._seen_so_far
+
+
+def metric_function(metric):
+    """The function of a `keras.metrics.MeanMetricWrapper` (per-item
+    values, before the mean) and its keyword arguments. Checked on Keras
+    3.10-3.15."""
+    return metric._fn, metric._fn_kwargs
+
+
+def eager_context():
+    """TensorFlow's eager context, whose `check_collective_ops_peer_health`
+    and `abort_collective_ops` the multi-worker peer watch calls (no public
+    route). Checked on TensorFlow 2.16-2.21."""
+    from tensorflow.python.eager import context
+
+    return context.context()
+
+
+def tensorboard_writers(callback):
+    """The summary writers a `keras.callbacks.TensorBoard` has opened (its
+    train and validation writers, None until used). Checked on Keras
+    3.10-3.15."""
+    return [callback.__dict__.get(name) for name in ("_train_writer", "_val_writer")]

@@ -21,6 +21,8 @@ import keras
 import tensorflow as tf
 from keras import initializers
 
+from keras_accum import _compat
+
 
 def strategy():
     """The strategy in scope (the default one on one device)."""
@@ -107,7 +109,7 @@ def add_local_variable(optimizer, shape, dtype, name, reference=None):
     if reference is not None:
         prefix = getattr(reference, "path", reference.name)
         name = f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
-        colocate = optimizer._distribution_strategy.extended.colocate_vars_with(
+        colocate = _compat.optimizer_strategy(optimizer).extended.colocate_vars_with(
             getattr(reference, "value", reference)
         )
     with colocate, keras.name_scope(optimizer.name, caller=optimizer):
@@ -120,7 +122,7 @@ def add_local_variable(optimizer, shape, dtype, name, reference=None):
             synchronization="on_read",
             name=name,
         )
-    optimizer._track_variable(variable)
+    _compat.track_variable(optimizer, variable)
     return variable
 
 

@@ -5,6 +5,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_accum import _compat
 from keras_accum.base import AccumulationOptimizer
 from keras_accum.validation import check_float, check_rate
 
@@ -69,8 +70,8 @@ class AdamFamily(AccumulationOptimizer):
         if not self._clips():
             return grads
         if replicas == 1:
-            return self._clip_gradients(grads)
-        clipped = self._clip_gradients([g * replicas for g in grads])
+            return _compat.clip_gradients(self, grads)
+        clipped = _compat.clip_gradients(self, [g * replicas for g in grads])
         return [g / replicas for g in clipped]
 
     def _adam_alpha(self, learning_rate, count, dtype):
@@ -85,7 +86,7 @@ class AdamFamily(AccumulationOptimizer):
         )
 
     def _decay(self, variable, lr):
-        if self.weight_decay is not None and self._use_weight_decay(variable):
+        if self.weight_decay is not None and _compat.uses_weight_decay(self, variable):
             # theta = theta - lr * weight_decay * theta
             variable.assign_sub(variable * tf.cast(self.weight_decay, variable.dtype) * lr)
 

@@ -203,7 +203,7 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
                     "`trainable_variables` must be given on the first call "
                     "to `apply`, or the optimizer built beforehand."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = _compat.trainable_variables(self)
         grads, trainable_variables = list(grads), list(trainable_variables)
         if len(grads) != len(trainable_variables):
             raise ValueError(
@@ -311,7 +311,7 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
             # (this optimizer's `assign*`, or their kept form under a select).
             self._update(trainable_variables, window, writes)
             self._finish_update(trainable_variables)
-            self._iterations.assign_add(1)
+            _compat.update_counter(self).assign_add(1)
 
         def drop():
             self._skipped_updates.assign_add(1)
@@ -345,13 +345,12 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         """After an update, in Keras's order: EMA of the weights (and its
         periodic overwrite), then each variable's constraint."""
         if self.use_ema:
-            self._update_model_variables_moving_average(self._trainable_variables)
+            trained = _compat.trainable_variables(self)
+            self._update_ema(trained)
             if self.ema_overwrite_frequency:
                 tf.cond(
-                    tf.equal((self._iterations + 1) % self.ema_overwrite_frequency, 0),
-                    lambda: self._overwrite_model_variables_with_average_value(
-                        self._trainable_variables
-                    ),
+                    tf.equal((_compat.update_counter(self) + 1) % self.ema_overwrite_frequency, 0),
+                    lambda: _compat.overwrite_with_ema(self, trained),
                     lambda: None,
                 )
         for variable in variables:
@@ -361,6 +360,10 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
                     var.assign(constraint(var))
 
                 _replicas.update_each([variable], constrain)
+
+    def _update_ema(self, variables):
+        """The EMA step of the weights after an update (Keras's by default)."""
+        _compat.update_ema(self, variables)
 
     def _screen(self, grads, mask=True):
         """`nonfinite.screen` of this optimizer (replica context)."""

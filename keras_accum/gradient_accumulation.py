@@ -160,7 +160,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
     @property
     def _model_variables_moving_average(self):
-        return self.inner_optimizer._model_variables_moving_average
+        return _compat.ema_averages(self.inner_optimizer)
 
     def _defer_state(self, state):
         super()._defer_state(state)
@@ -171,7 +171,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return _compat.own_variables(self) + self.inner_optimizer.variables
 
     @property
     def iterations(self):
@@ -294,7 +294,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
         _replicas.for_each_replica(reset)
 
     def _accumulators_of(self, variables):
-        return [self._accumulators[self._get_variable_index(v)] for v in variables]
+        return [self._accumulators[_compat.variable_index(self, v)] for v in variables]
 
     def _update(self, variables, window, writes):
         (total_weight,) = window

@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 from keras import saving
 
-from keras_accum import _execution, _replicas, _tensors, folds, scaling, schedules
+from keras_accum import _compat, _execution, _replicas, _tensors, folds, scaling, schedules
 from keras_accum.adam_family import AdamFamily
 
 
@@ -145,7 +145,7 @@ class InvariantAdam(AdamFamily):
         replicas = _replicas.count()
         moments = [
             (self._momentums[i], self._velocities[i])
-            for i in map(self._get_variable_index, variables)
+            for i in (_compat.variable_index(self, v) for v in variables)
         ]
         # A large Embedding's gradient (`tf.IndexedSlices`) stays sparse: its
         # rows go into m and v where they fall (`folds.fold_rows`), unless
@@ -202,12 +202,12 @@ class InvariantAdam(AdamFamily):
 
     def _update(self, variables, window, writes):
         learning_rate = self.learning_rate
-        update_count = self._iterations + 1
+        update_count = _compat.update_counter(self) + 1
         if self.scaling_rule is not None:
             learning_rate, update_count = self._scaled_rate()
         moments = [
             (self._momentums[i], self._velocities[i])
-            for i in map(self._get_variable_index, variables)
+            for i in (_compat.variable_index(self, v) for v in variables)
         ]
         replicated = _replicas.count() > 1
         if replicated:
@@ -251,7 +251,7 @@ class InvariantAdam(AdamFamily):
     # -- hyperparameters that follow the window size (`scaling_rule`) --------
 
     def _build_scaling(self):
-        replicas = self._distribution_strategy.num_replicas_in_sync
+        replicas = _compat.optimizer_strategy(self).num_replicas_in_sync
         max_kappa = schedules.steps_range(self.steps)[1] * replicas
         scaling.check_scaling_rule(self.scaling_rule, self.beta_1, self.beta_2, max_kappa)
         if self.scaling_rule is None:
@@ -293,28 +293,29 @@ class InvariantAdam(AdamFamily):
         p_1 = p_1.assign(p_1 * (1 - beta_1_rate))
         p_2 = p_2.assign(p_2 * (1 - beta_2_rate))
         correction = tf.sqrt(1 - p_2) / (1 - p_1)
-        if isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        schedule = _compat.learning_rate_schedule(self)
+        if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
             # A schedule written for kappa = 1 sees the micro-batches consumed
             # over all replicas before this window.
             before = (self._micro_step - tf.cast(self.window_steps, "int64")) * replicas
-            learning_rate = self._learning_rate(before)
+            learning_rate = schedule(before)
         else:
             learning_rate = self.learning_rate
         # lr_k = kappa_k * lr
         return tf.cast(learning_rate, "float32") * kappa, correction
 
-    def _update_model_variables_moving_average(self, trainable_variables):
+    def _update_ema(self, trainable_variables):
         """Keras's EMA of the weights; with a `scaling_rule`, window k uses
         momentum rho_k = ema_momentum ** kappa_k (a fixed rate per example)."""
         if self.scaling_rule is None:
-            return super()._update_model_variables_moving_average(trainable_variables)
+            return super()._update_ema(trainable_variables)
         steps = self.window_steps  # kappa_k = steps x replicas
         kappa = (steps if isinstance(steps, int) else tf.cast(steps, "float32")) * _replicas.count()
         if isinstance(kappa, int):
             rho = self.ema_momentum**kappa  # a Python float, as Keras's
         else:
             rho = tf.pow(tf.constant(self.ema_momentum, "float32"), kappa)
-        for var, average in zip(trainable_variables, self._model_variables_moving_average):
+        for var, average in zip(trainable_variables, _compat.ema_averages(self)):
             if average is None:
                 continue
             # The first update copies the weights (momentum 0), as in Keras.

@@ -5,7 +5,7 @@ from typing import Any
 import tensorflow as tf
 from keras import saving
 
-from keras_accum import _execution, _replicas, _tensors, folds, schedules
+from keras_accum import _compat, _execution, _replicas, _tensors, folds, schedules
 from keras_accum.adam_family import AdamFamily
 
 
@@ -151,11 +151,11 @@ class UpdateAccumulationAdam(AdamFamily):
         """`folds.adam_micro_step` for every variable (replica context)."""
         handles = []
         for var in variables:
-            index = self._get_variable_index(var)
+            index = _compat.variable_index(self, var)
             update = None if self._updates is None else self._updates[index].handle
             decay = None
             if self._updates is None and self.weight_decay is not None:
-                decay = self.weight_decay if self._use_weight_decay(var) else None
+                decay = self.weight_decay if _compat.uses_weight_decay(self, var) else None
             handles.append(
                 (
                     self._momentums[index].handle,
@@ -172,7 +172,7 @@ class UpdateAccumulationAdam(AdamFamily):
             return
         learning_rate = self.learning_rate
         for var in variables:
-            update = self._updates[self._get_variable_index(var)]
+            update = self._updates[_compat.variable_index(self, var)]
 
             def apply_update(variable, update):
                 self._decay(variable, tf.cast(learning_rate, variable.dtype))

@@ -4,7 +4,7 @@ arguments. Each problem is one ValueError naming the argument."""
 
 import keras
 
-from keras_accum import base
+from keras_accum import _compat, base
 from keras_accum.training.stream import peek_batch_size
 from keras_accum.validation import check_int
 
@@ -27,11 +27,11 @@ def check_scope(strategy, model, optimizer):
             f"`optimizer` must be a keras Optimizer. Received: optimizer={optimizer!r}"
         )
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if opt is None or opt._distribution_strategy is strategy:
+        if opt is None or _compat.optimizer_strategy(opt) is strategy:
             continue
         raise ValueError(
             "`optimizer` was created outside `strategy.scope()` (under "
-            f"{type(opt._distribution_strategy).__name__}, not "
+            f"{type(_compat.optimizer_strategy(opt)).__name__}, not "
             f"strategy={type(strategy).__name__}); create and "
             f"build it inside the scope. Received: optimizer={opt!r}"
         )

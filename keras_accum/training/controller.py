@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_accum import nonfinite
+from keras_accum import _compat, nonfinite
 from keras_accum.training import atomic, checks
 from keras_accum.training import logs as run_logs
 from keras_accum.training.distribute import is_chief, peer_errors
@@ -169,8 +169,8 @@ class Controller:
         )
         self.epoch_sums.assign(tf.zeros_like(self.epoch_sums))
         self._save()
-        if self.bar is not None and self.bar._seen_so_far != self.bar.target:
-            self.bar.update(self.bar._seen_so_far, finalize=True)
+        if self.bar is not None and _compat.progbar_seen(self.bar) != self.bar.target:
+            self.bar.update(_compat.progbar_seen(self.bar), finalize=True)
         self.bar = None
 
     def _after_window(self, logs):

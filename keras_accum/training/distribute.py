@@ -9,6 +9,8 @@ import time
 
 import tensorflow as tf
 
+from keras_accum import _compat
+
 PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
 
 # The peer watch (multi-worker runs of `strategy_from_environment`): every
@@ -113,8 +115,6 @@ class _PeerWatch:
         threading.Thread(target=self._run, name="keras_accum_peer_watch", daemon=True).start()
 
     def _run(self):
-        from tensorflow.python.eager import context
-
         failures = dict.fromkeys(self.peers, 0)
         while self.lost is None:
             time.sleep(PROBE_INTERVAL)
@@ -123,7 +123,7 @@ class _PeerWatch:
                 continue
             for peer in self.peers:
                 try:
-                    context.context().check_collective_ops_peer_health(
+                    _compat.eager_context().check_collective_ops_peer_health(
                         peer, timeout_in_ms=int(PROBE_TIMEOUT * 1000)
                     )
                     failures[peer] = 0
@@ -136,7 +136,7 @@ class _PeerWatch:
                 if failures[peer] >= 6:  # 2 refused or 3 timed-out probes in a row
                     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
                     self.lost = f"{peer} is lost ({type(error).__name__}: {first})"
-                    context.context().abort_collective_ops(tf.errors.UNAVAILABLE, self.lost)
+                    _compat.eager_context().abort_collective_ops(tf.errors.UNAVAILABLE, self.lost)
                     break
         # A main thread in a collective raises by itself at once; one in
         # other work (tracing, a checkpoint, Python) gets the error raised

@@ -26,6 +26,7 @@ import re
 
 import keras
 
+from keras_accum import _compat
 from keras_accum.training import checkpoints
 from keras_accum.training import logs as run_logs
 
@@ -67,8 +68,7 @@ class FlushingTensorBoard(keras.callbacks.TensorBoard):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        for name in ("_train_writer", "_val_writer"):
-            writer = self.__dict__.get(name)
+        for writer in _compat.tensorboard_writers(self):
             if writer is not None:
                 writer.flush()
 

@@ -5,6 +5,8 @@ import functools
 import keras
 import tensorflow as tf
 
+from keras_accum import _compat
+
 
 def per_item(values, rank):
     """Mean over the axes beyond `rank` (the sample weight's rank)."""
@@ -67,7 +69,8 @@ def resolve_metrics(metrics):
         if isinstance(metric, str):
             metric = keras.metrics.get(metric)
         if isinstance(metric, keras.metrics.MeanMetricWrapper):
-            resolved.append((metric.name, functools.partial(metric._fn, **metric._fn_kwargs)))
+            fn, kwargs = _compat.metric_function(metric)
+            resolved.append((metric.name, functools.partial(fn, **kwargs)))
         elif callable(metric) and not isinstance(metric, keras.metrics.Metric):
             resolved.append((metric.__name__, metric))
         else:
