@@ -124,31 +124,25 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def build(self, var_list):
         if self.built:
             return
-        self._building = True  # Keras's build must not see the inner EMA
-        try:
-            super().build(var_list)
-        finally:
-            self._building = False
+        super().build(var_list)
         self._accumulators = [
             self.add_local_variable(v.shape, "float32", "accumulator", reference=v)
             for v in var_list
         ]
         self._weight = self.add_local_variable((), "float32", "weight")
         self.inner_optimizer.build(var_list)
-        self.inner_optimizer.__dict__.pop("load_own_variables", None)  # see `_defer_state`
         self._restore_deferred_state()
 
     # EMA of the weights is the inner optimizer's (it runs at the inner
-    # step, once per window). The wrapper shows it as its own, so that code
-    # that looks for it on the compiled optimizer, or one level below a
-    # `LossScaleOptimizer` (Keras's `SwapEMAWeights`), finds it.
-
-    _building = False
+    # step, once per window). The wrapper shows it as its own once built, so
+    # that code that looks for it on the compiled optimizer, or one level
+    # below a `LossScaleOptimizer` (Keras's `SwapEMAWeights`), finds it; not
+    # while Keras's `build` runs, which would make averages of its own.
 
     @property
     def use_ema(self):
         inner = getattr(self, "inner_optimizer", None)
-        return bool(inner is not None and inner.use_ema and not self._building)
+        return bool(self.built and inner is not None and inner.use_ema)
 
     @use_ema.setter
     def use_ema(self, value):
@@ -162,12 +156,13 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def _model_variables_moving_average(self):
         return _compat.ema_averages(self.inner_optimizer)
 
-    def _defer_state(self, state):
-        super()._defer_state(state)
-        # Keras's saving then visits the inner optimizer on its own and, as
-        # it is not built yet, warns that it skips its variables: they are
-        # part of the state just kept, restored when this optimizer is built.
-        self.inner_optimizer.load_own_variables = lambda store: None
+    def __dir__(self):
+        # The inner optimizer's state is part of this one's (`variables`):
+        # Keras's saving, which visits what `dir` lists, must not save and
+        # load it a second time on its own (it would warn that it skips the
+        # variables of the inner optimizer, unbuilt before the first step,
+        # that this one restores when built).
+        return [name for name in super().__dir__() if name != "inner_optimizer"]
 
     @property
     def variables(self):
