@@ -1,7 +1,7 @@
 """Rematerialization (`keras_accum.remat`): the same weights with and
-without it (model.fit, the custom loop, MirroredStrategy), the run's files
-unchanged, a bad mode refused in one line, and the memory probe measuring
-a lower peak with it.
+without it (model.fit, the custom loop, MirroredStrategy), a saved
+rematerialized model that loads, the run's files unchanged, a bad mode
+refused in one line, and the memory probe measuring a lower peak with it.
 
 Tolerance: recomputed activations are the same float32 ops, but the
 backward pass sums in another order; after a few Adam updates the weights
@@ -105,8 +105,8 @@ def test_dropout_is_left_alone_and_trains_the_same():
         return keras.Model(inputs, keras.layers.Dense(10)(x))
 
     model = remat.rematerialize(with_dropout(), "full")
-    modes = {type(layer).__name__: layer._remat_mode for layer in model.layers}
-    assert modes["Dropout"] is None and modes["Dense"] is not None
+    wrapped = {type(unwrapped(layer)).__name__: wraps(layer) for layer in model.layers}
+    assert not wrapped["Dropout"] and wrapped["Dense"]
     x, y = data(cnn)
 
     def trained(mode):
@@ -117,6 +117,14 @@ def test_dropout_is_left_alone_and_trains_the_same():
         return model.get_weights()
 
     assert_same(trained("none"), trained("full"))
+
+
+def wraps(layer):
+    return isinstance(layer, remat.Rematerialized)
+
+
+def unwrapped(layer):
+    return layer.layer if wraps(layer) else layer
 
 
 def loop_weights(builder, mode, strategy):
@@ -143,38 +151,50 @@ def test_mirrored_same_weights():
     assert_same(loop_weights(lm, "none", strategy), loop_weights(lm, "full", strategy))
 
 
-def test_modes_set_per_layer():
-    model = remat.rematerialize(lm(), "full")
-    assert model._remat_mode is None  # The outermost model is not wrapped.
+LEFT = (keras.layers.Embedding, keras.layers.InputLayer)
+
+
+def test_which_layers_are_wrapped():
+    plain = lm()
+    model = remat.rematerialize(plain, "full")
+    assert model is not plain and not wraps(model)  # The outermost model is not wrapped.
+    assert [unwrapped(layer) for layer in model.layers[1:]] == plain.layers[1:]  # The same.
     for layer in model.layers:
-        left = isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer))
-        assert (layer._remat_mode is None) == left
+        assert wraps(layer) != isinstance(layer, LEFT)
     threshold = 32 * 32  # The LM's residual stream: 32 positions x 32.
-    model = remat.rematerialize(lm(), "larger_than", output_size_threshold=threshold)
-    wrapped = {layer.name for layer in model.layers if layer._remat_mode is not None}
+    model = remat.rematerialize(plain, "larger_than", output_size_threshold=threshold)
+    wrapped = {layer.name for layer in model.layers if wraps(layer)}
     large = {
         layer.name
-        for layer in model.layers
-        if remat._output_size(layer) > threshold
-        and not isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer))
+        for layer in plain.layers
+        if remat._output_size(layer) > threshold and not isinstance(layer, LEFT)
     }
     # Only the MLP's hidden layers (32 x 64) are above it.
-    hidden = {layer.name for layer in model.layers if getattr(layer, "units", 0) == 64}
+    hidden = {layer.name for layer in plain.layers if getattr(layer, "units", 0) == 64}
     assert wrapped == large == hidden and len(hidden) == 2
-    assert remat.mode_of(model) == "larger_than"
-    assert remat.mode_of(remat.rematerialize(model, "none")) == "none"
+    assert remat.mode_of(model) == "larger_than" and remat.mode_of(plain) == "none"
+    # A rematerialized model is decided again: "none" unwraps it.
+    assert remat.mode_of(remat.rematerialize(model, "full")) == "full"
+    unwrapped_model = remat.rematerialize(model, "none")
+    assert remat.mode_of(unwrapped_model) == "none"
+    assert unwrapped_model.layers[1:] == plain.layers[1:]  # All but the new InputLayer.
 
 
-def test_saved_model_is_the_same_model(tmp_path):
-    model = remat.rematerialize(lm(), "full")
-    model.compile(ka.InvariantAdam(steps=2), LOSS)
+def test_saved_model_loads(tmp_path):
+    plain = lm()
+    plain.compile(ka.InvariantAdam(steps=2), LOSS)
+    model = remat.rematerialize(plain, "full")
+    # Compiled as `plain`, with its optimizer object.
+    assert model.compiled and model.optimizer is plain.optimizer and model.loss is plain.loss
     x, y = data(lm)
     model.fit(x, y, batch_size=4, verbose=0)
     model.save(tmp_path / "m.keras")
-    loaded = keras.models.load_model(tmp_path / "m.keras")
-    assert [v.path for v in loaded.weights] == [v.path for v in model.weights]
+    loaded = keras.models.load_model(tmp_path / "m.keras")  # keras_accum is imported
+    assert remat.mode_of(loaded) == "full"  # The file holds the wrappers.
+    assert [v.path for v in loaded.weights] == [v.path for v in plain.weights]
     assert_same(loaded.get_weights(), model.get_weights())
-    assert all(layer._remat_mode is None for layer in loaded.layers)  # Not a format change.
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations) == 2
 
 
 BAD = "`remat` must be one of 'none', 'full', 'larger_than'. Received: remat='ful'"
