@@ -14,8 +14,9 @@ of micro-batches per update. `steps` may also be a schedule
 run; `InvariantAdam(scaling_rule=...)` then rescales its hyperparameters
 per window.
 
-`rematerialize(model, "full")` recomputes the model's layers in the backward
-pass: less activation memory when one micro-batch does not fit.
+`rematerialize(model, "full")` returns a model (sharing `model`'s variables)
+that recomputes its layers in the backward pass: less activation memory
+when one micro-batch does not fit.
 """
 
 import os as _os

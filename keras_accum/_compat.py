@@ -28,9 +28,14 @@ def set_compiled_loss(model, loss):
 
 
 def keras_mask(tensor):
-    """The Keras mask a layer attached to `tensor` (None if none): what a
-    masked loss divides by. Checked on Keras 3.10-3.15."""
-    return getattr(tensor, "_keras_mask", None)
+    """The Keras mask a layer attached to `tensor` (from
+    `Embedding(mask_zero=True)`, `Masking`, ...) or None: what a masked
+    loss divides by (`weigh_micro_batches`), and what `Rematerialized`
+    passes to its layer explicitly, as Keras's `Layer.__call__` does, so
+    that the recomputation sees it too. Checked on Keras 3.10-3.15."""
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(tensor)
 
 
 # -- optimizers -----------------------------------------------------------------

@@ -12,47 +12,60 @@ Modes (`MODES`):
 * "larger_than": only layers whose output has more than
   `output_size_threshold` elements per item (Keras's default, 1024) are.
 
-`rematerialize(model, mode)` gives each layer of a built model the mode
-`keras.RematScope(mode)` would have given it at construction, so a model
-from any builder, `keras.models.load_model` or a resumed run can be
-rematerialized, and the model's variables, their names and its saved files
-are those of the same model without it. The outermost model is not wrapped
-(recomputing the whole forward pass once more would save nothing beyond
-the per-layer recomputation); a nested model counts as its layers. An
-`Embedding` is never wrapped: its gradient is sparse (`tf.IndexedSlices`,
-one row per token seen), `tf.recompute_grad` would return it dense (every
-row, and Adam would then move rows no token touched), and a lookup keeps
-nothing that recomputing it would free. Nor is a layer that draws random
-numbers (Dropout with rate > 0, or a layer holding one): its recomputation
-would draw new ones.
+`rematerialize(model, mode)` returns a new model, made by
+`keras.models.clone_model`, in which each layer to recompute is wrapped in
+`Rematerialized`. The new model shares `model`'s layers, so its variables
+are `model`'s (the same objects, no copy); `model`, its layers and Keras
+are otherwise left as they were, and no other model in the process changes.
+It takes a Sequential or Functional model, built, loaded or resumed; a
+subclassed model cannot be cloned: wrap its heavy sublayers in
+`Rematerialized` where it is defined. If `model` is compiled, the new model
+is compiled the same way with the same optimizer object (its state
+included).
 
-On the TensorFlow backend Keras's remat is `tf.recompute_grad`, which in a
-`tf.function` refuses keyword arguments, and Keras calls every layer with
-`training=...`: a model built under `keras.RematScope` cannot train in
-graph mode or under XLA (keras-team/keras#21207). `rematerialize` installs
-a fix: the tensors among the call's arguments are passed positionally to
-`tf.recompute_grad` and the other keyword arguments are bound around it.
-It changes only layers with a remat mode.
+Which layers: the outermost model is not wrapped (recomputing the whole
+forward pass once more would save nothing beyond the per-layer
+recomputation); a nested Sequential or Functional model counts as its
+layers, a nested subclassed model as one layer. An `Embedding` is never
+wrapped: its gradient is sparse (`tf.IndexedSlices`, one row per token
+seen), `tf.recompute_grad` would return it dense (every row, and Adam would
+then move rows no token touched), and a lookup keeps nothing that
+recomputing it would free. Nor is a layer that draws random numbers
+(Dropout with rate > 0, or a layer holding one): its recomputation would
+draw new ones.
 
-The mode is read when a step is traced: set it before the first `fit` or
-`Trainer` step. What it saves and costs is measured in BENCHMARKS.md
-("Rematerialization"); the README's "When one example does not fit" sums
-it up.
+Why not Keras's own: on the TensorFlow backend `keras.RematScope` and
+`keras.remat` are `tf.recompute_grad`, which in a `tf.function` refuses
+keyword arguments, and Keras calls every layer with `training=...`: a model
+built under `keras.RematScope` cannot train in graph mode or under XLA
+(keras-team/keras#21207). `Rematerialized` passes the tensors among the
+call's arguments to `tf.recompute_grad` positionally and binds the others
+around it (`recompute_grad`).
+
+Saving: a rematerialized model's `.keras` file holds its `Rematerialized`
+layers (registered as "keras_accum>Rematerialized"): `import keras_accum`
+before `keras.models.load_model`. Its variables and their paths are those
+of the model without it; in the file each wrapped layer's weights sit
+under its wrapper's.
+
+What it saves and costs is measured in BENCHMARKS.md ("Rematerialization");
+the README's "When one example does not fit" sums it up.
 
 Example:
 
-    model = build_model(...)
-    keras_accum.remat.rematerialize(model, "full")
+    model = keras_accum.rematerialize(build_model(...), "full")
     model.compile(optimizer=keras_accum.InvariantAdam(steps=8), loss=...)
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import keras
 import tensorflow as tf
 
+from keras_accum import _compat
 from keras_accum.validation import check_choice
 
 MODES = ("none", "full", "larger_than")
@@ -63,37 +76,200 @@ def check_mode(mode: str) -> str:
     return check_choice("remat", mode, MODES)
 
 
-def rematerialize(model: keras.Model, mode: str, output_size_threshold: int = 1024):
-    """Sets the rematerialization mode of every layer of `model`; returns it.
+@keras.saving.register_keras_serializable(package="keras_accum")
+class Rematerialized(keras.layers.Wrapper):
+    """`layer`, recomputed in the backward pass: only its inputs are kept.
+
+    Calls `layer` itself (its inputs, `training`, masks and mixed precision
+    as without the wrapper) through `recompute_grad`. The wrapper has no
+    variables of its own: they are `layer`'s. `rematerialize` wraps the
+    layers of a built model; in a subclassed model, wrap a heavy sublayer
+    where it is defined:
+
+        self.block = keras_accum.remat.Rematerialized(Block(...))
+
+    A layer not built yet is built from the wrapper's first input shape, as
+    Keras's wrappers do: build a layer of several inputs (e.g.
+    `MultiHeadAttention`) before wrapping it.
 
     Args:
-        model: a Keras model; its own call is not wrapped.
-        mode: one of `MODES`; "none" removes any mode set before.
+        layer: the layer to recompute: not one that draws random numbers
+            (its recomputation would draw new ones) nor an `Embedding` (its
+            sparse gradient would come back dense).
+        **kwargs: `keras.layers.Layer` arguments; `name`, `dtype` and
+            `trainable` default to `layer`'s.
+    """
+
+    def __init__(self, layer, **kwargs):
+        if isinstance(layer, keras.layers.Layer):
+            kwargs.setdefault("name", layer.name)
+            kwargs.setdefault("dtype", layer.dtype_policy)
+            kwargs.setdefault("trainable", layer.trainable)
+        super().__init__(layer, **kwargs)
+        self.supports_masking = layer.supports_masking
+
+    def call(self, inputs, *args, training=None, **kwargs):
+        kwargs.update(self._masks(inputs, args, kwargs))
+        return recompute_grad(self.layer)(inputs, *args, training=training, **kwargs)
+
+    def _masks(self, inputs, args, kwargs):
+        """The masks Keras's `__call__` would give `layer` from its inputs'
+        (where none is passed): passed explicitly, so that the
+        recomputation, whose inputs carry no mask, sees them too."""
+        signature = inspect.signature(self.layer.call)
+        try:
+            bound = signature.bind(inputs, *args, **kwargs).arguments
+        except TypeError:
+            return {}
+        tensors = {name: value for name, value in bound.items() if _all_tensors(value)}
+        if len(tensors) == 1:
+            wanted = {"mask": next(iter(tensors.values()))}
+        else:
+            wanted = {f"{name}_mask": value for name, value in tensors.items()}
+        masks = {}
+        for name, value in wanted.items():
+            if name in signature.parameters and bound.get(name) is None:
+                mask = keras.tree.map_structure(_compat.keras_mask, value)
+                if any(m is not None for m in keras.tree.flatten(mask)):
+                    masks[name] = mask
+        return masks
+
+    def compute_output_spec(self, inputs, *args, training=None, **kwargs):
+        return self.layer.compute_output_spec(inputs, *args, **kwargs)
+
+    def compute_mask(self, inputs, previous_mask):
+        return self.layer.compute_mask(inputs, previous_mask)
+
+    def get_build_config(self):
+        # The layer's own (e.g. MultiHeadAttention's query and value shapes).
+        return self.layer.get_build_config()
+
+    def build_from_config(self, config):
+        # A loaded layer is built by its own build config, in `layer`'s.
+        if not self.layer.built:
+            self.layer.build_from_config(config)
+        self.built = True
+
+
+def _all_tensors(value):
+    """True for a tensor or a non-empty structure of tensors (and None)."""
+    flat = keras.tree.flatten(value)
+    return any(tf.is_tensor(x) for x in flat) and all(x is None or tf.is_tensor(x) for x in flat)
+
+
+def rematerialize(model: keras.Model, mode: str, output_size_threshold: int = 1024):
+    """A new model, sharing `model`'s layers, that recomputes them per `mode`.
+
+    Args:
+        model: a built Sequential or Functional Keras model (a subclassed
+            one is refused); its own call is not wrapped. Layers it already
+            wraps in `Rematerialized` are decided again: "none" unwraps them.
+        mode: one of `MODES`.
         output_size_threshold: elements per item above which "larger_than"
             recomputes a layer. Decided here from each layer's output shape
-            in the model's graph (a layer without one, e.g. in a subclassed
-            model, counts as large): Keras's own "larger_than" asks each
-            layer for its output spec on every call, which fails for some
-            layers on graph tensors.
+            in the model's graph (a layer without one counts as large):
+            Keras's own "larger_than" asks each layer for its output spec on
+            every call, which fails for some layers on graph tensors.
+
+    Returns:
+        A Functional model (also for a Sequential `model`) with `model`'s
+        name and the shapes of its inputs and outputs, compiled like `model`
+        if it is compiled.
     """
     check_mode(mode)
-    full = None
-    if mode != "none":
-        _install_keyword_fix()
-        full = _remat_mode("full")
-    for layer in _layers(model):
-        large = mode == "full" or _output_size(layer) > output_size_threshold
-        layer._remat_mode = full if large else None
-    return model
+    if not _is_graph_model(model):
+        raise ValueError(
+            "`rematerialize` needs a Sequential or Functional model, which "
+            "`keras.models.clone_model` can rebuild: build it as a Functional model, or wrap "
+            "its heavy sublayers in `keras_accum.remat.Rematerialized` where you define it. "
+            f"Received: model={getattr(model, 'name', model)!r} of type {type(model).__name__}"
+        )
+
+    def clone(layer):
+        # The size before unwrapping: the wrapper is what `model`'s graph calls.
+        size = _output_size(layer)
+        if isinstance(layer, Rematerialized):
+            layer = layer.layer
+        if mode != "none" and _may_recompute(layer):
+            if mode == "full" or size > output_size_threshold:
+                return Rematerialized(layer)
+        return layer
+
+    new = keras.models.clone_model(_uncompiled(model), clone_function=clone, recursive=True)
+    if model.compiled:
+        _compile_like(new, model)
+    return new
 
 
 def mode_of(model: keras.Model) -> str:
     """The mode of `model`'s layers: "none" (none wrapped), "full" (every
-    layer `rematerialize` wraps) or "larger_than" (some)."""
-    wrapped = [layer._remat_mode is not None for layer in _layers(model)]
+    layer `rematerialize` would wrap) or "larger_than" (some)."""
+    wrapped = [isinstance(layer, Rematerialized) for layer in _candidates(model)]
     if not any(wrapped):
         return "none"
     return "full" if all(wrapped) else "larger_than"
+
+
+def _is_graph_model(layer):
+    """A Sequential or Functional model (`keras.Function` is the graph
+    class behind Functional models)."""
+    return isinstance(layer, (keras.Sequential, keras.Function))
+
+
+def _uncompiled(model):
+    """A Functional model on `model`'s own graph (layers and nodes), not
+    compiled: `clone_model` would compile its copy of a compiled model from
+    the compile config, building a second optimizer."""
+    if isinstance(model, keras.Sequential):
+        if not model.built:
+            raise ValueError(
+                "`rematerialize` needs a built model: give the Sequential model a "
+                f"`keras.Input` or call it once. Received: model={model.name!r} (not built)"
+            )
+        outputs = model.outputs[0] if len(model.outputs) == 1 else model.outputs
+        return keras.Model(model.inputs[0], outputs, name=model.name)
+    return keras.Model(model.input, model.output, name=model.name)
+
+
+def _compile_like(new, model):
+    """Compiles `new` as `model` is: the same optimizer object (built, with
+    its state) and loss, the other arguments from its compile config."""
+    config = dict(model.get_compile_config())
+    config.pop("optimizer", None)
+    config.pop("loss", None)
+    config = keras.saving.deserialize_keras_object(config)
+    new.compile(optimizer=model.optimizer, loss=getattr(model, "loss", None), **config)
+
+
+def _candidates(model):
+    """The layers `rematerialize` decides about: `model`'s, a nested
+    Sequential or Functional model replaced by its own."""
+    for layer in model.layers:
+        if _is_graph_model(layer):
+            yield from _candidates(layer)
+        elif isinstance(layer, Rematerialized) or _may_recompute(layer):
+            yield layer
+
+
+def _may_recompute(layer):
+    """False for what is never wrapped: an operation that is not a layer
+    (`x + y` in a Functional model), `InputLayer`, `Embedding`, and a layer
+    that draws random numbers."""
+    if not isinstance(layer, keras.layers.Layer):
+        return False
+    if isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer)):
+        return False
+    return not _draws_random_numbers(layer)
+
+
+def _draws_random_numbers(layer):
+    """True if `layer` or a layer inside it holds a `SeedGenerator`
+    (Dropout with rate > 0, GaussianNoise, ...): a recomputation would draw
+    new numbers, and the gradient would not be that of the forward pass.
+    Keras documents `layer.variables` as `layer.weights` plus the states of
+    its seed generators."""
+    weights = {id(v) for v in layer.weights}
+    return any(id(v) not in weights for v in layer.variables)
 
 
 def _output_size(layer):
@@ -106,67 +282,34 @@ def _output_size(layer):
     return sum(math.prod(d or 1 for d in x.shape[1:]) for x in outputs)
 
 
-def _layers(model):
-    """The layers of `model`, a nested model replaced by its layers."""
-    for layer in model.layers:
-        if isinstance(layer, keras.Model):
-            yield from _layers(layer)
-        elif not isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer)):
-            if not _draws_random_numbers(layer):
-                yield layer
-
-
-def _draws_random_numbers(layer):
-    """True if `layer` or a layer inside it holds a SeedGenerator (Dropout
-    with rate > 0, GaussianNoise, ...): a recomputation would draw new
-    numbers, and the gradient would not be that of the forward pass."""
-    return any(getattr(inner, "_seed_generators", None) for inner in layer._flatten_layers())
-
-
-def _remat_mode(mode):
-    """The RematMode Keras gives a layer built inside `RematScope(mode)`."""
-    from keras.src.backend.common.remat import get_current_remat_mode
-
-    with keras.RematScope(mode=mode):
-        return get_current_remat_mode()
-
-
 def recompute_grad(f):
     """`tf.recompute_grad(f)` that accepts keyword arguments in graph mode.
 
-    The tensors among the arguments (positional or keyword, nested or not)
-    are passed to `tf.recompute_grad` positionally, so gradients reach all
-    of them; the other arguments (`training=True`, `use_causal_mask=True`)
-    are bound around it; the recomputation runs in the mixed-precision
-    autocast scope of the call.
+    The float tensors among the arguments (positional or keyword, nested
+    or not) are passed to `tf.recompute_grad` positionally, so gradients
+    reach all of them; the other arguments (`training=True`,
+    `use_causal_mask=True`, a boolean mask, token ids: its backward pass
+    adds a float to each input) are bound around it. Give it a layer
+    rather than its `call`: the
+    layer's `__call__` opens its mixed-precision autocast scope again when
+    the backward pass recomputes it.
     """
-
-    from keras.src.backend import AutocastScope, get_autocast_scope
 
     def call(*args, **kwargs):
         flat = tf.nest.flatten((args, kwargs))
-        where = [i for i, value in enumerate(flat) if tf.is_tensor(value)]
-        # Mixed precision: the layer's call casts its variables in the scope
-        # its __call__ opened; the backward pass recomputes outside it.
-        autocast = get_autocast_scope()
+        where = [i for i, value in enumerate(flat) if _differentiable(value)]
 
         def positional(*tensors):
             values = list(flat)
             for i, tensor in zip(where, tensors):
                 values[i] = tensor
             inner_args, inner_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
-            if autocast is None:
-                return f(*inner_args, **inner_kwargs)
-            with AutocastScope(autocast.dtype):
-                return f(*inner_args, **inner_kwargs)
+            return f(*inner_args, **inner_kwargs)
 
         return tf.recompute_grad(positional)(*(flat[i] for i in where))
 
     return call
 
 
-def _install_keyword_fix():
-    """Keras's TensorFlow remat becomes `recompute_grad` above (idempotent)."""
-    from keras.src.backend.tensorflow import core
-
-    core.remat = recompute_grad
+def _differentiable(value):
+    return tf.is_tensor(value) and (value.dtype.is_floating or value.dtype.is_complex)

@@ -1,7 +1,9 @@
-"""Rematerialization (`keras_accum.remat`): the same weights with and
-without it (model.fit, the custom loop, MirroredStrategy), the run's files
-unchanged, a bad mode refused in one line, and the memory probe measuring
-a lower peak with it.
+"""Rematerialization (`keras_accum.remat`): the same gradients and weights
+with and without it (model.fit, the custom loop, MirroredStrategy, XLA),
+nothing changed in Keras or on the model given, a saved rematerialized
+model that loads, the run's files and the loop's checkpoints those of the
+run without it, a bad mode or a subclassed model refused in one line, and
+the memory probe measuring a lower peak with it.
 
 Tolerance: recomputed activations are the same float32 ops, but the
 backward pass sums in another order; after a few Adam updates the weights
@@ -105,8 +107,8 @@ def test_dropout_is_left_alone_and_trains_the_same():
         return keras.Model(inputs, keras.layers.Dense(10)(x))
 
     model = remat.rematerialize(with_dropout(), "full")
-    modes = {type(layer).__name__: layer._remat_mode for layer in model.layers}
-    assert modes["Dropout"] is None and modes["Dense"] is not None
+    wrapped = {type(unwrapped(layer)).__name__: wraps(layer) for layer in model.layers}
+    assert not wrapped["Dropout"] and wrapped["Dense"]
     x, y = data(cnn)
 
     def trained(mode):
@@ -117,6 +119,14 @@ def test_dropout_is_left_alone_and_trains_the_same():
         return model.get_weights()
 
     assert_same(trained("none"), trained("full"))
+
+
+def wraps(layer):
+    return isinstance(layer, remat.Rematerialized)
+
+
+def unwrapped(layer):
+    return layer.layer if wraps(layer) else layer
 
 
 def loop_weights(builder, mode, strategy):
@@ -143,38 +153,200 @@ def test_mirrored_same_weights():
     assert_same(loop_weights(lm, "none", strategy), loop_weights(lm, "full", strategy))
 
 
-def test_modes_set_per_layer():
-    model = remat.rematerialize(lm(), "full")
-    assert model._remat_mode is None  # The outermost model is not wrapped.
+LEFT = (keras.layers.Embedding, keras.layers.InputLayer)
+
+
+def test_which_layers_are_wrapped():
+    plain = lm()
+    model = remat.rematerialize(plain, "full")
+    assert model is not plain and not wraps(model)  # The outermost model is not wrapped.
+    assert [unwrapped(layer) for layer in model.layers[1:]] == plain.layers[1:]  # The same.
     for layer in model.layers:
-        left = isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer))
-        assert (layer._remat_mode is None) == left
+        assert wraps(layer) != isinstance(layer, LEFT)
     threshold = 32 * 32  # The LM's residual stream: 32 positions x 32.
-    model = remat.rematerialize(lm(), "larger_than", output_size_threshold=threshold)
-    wrapped = {layer.name for layer in model.layers if layer._remat_mode is not None}
+    model = remat.rematerialize(plain, "larger_than", output_size_threshold=threshold)
+    wrapped = {layer.name for layer in model.layers if wraps(layer)}
     large = {
         layer.name
-        for layer in model.layers
-        if remat._output_size(layer) > threshold
-        and not isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer))
+        for layer in plain.layers
+        if remat._output_size(layer) > threshold and not isinstance(layer, LEFT)
     }
     # Only the MLP's hidden layers (32 x 64) are above it.
-    hidden = {layer.name for layer in model.layers if getattr(layer, "units", 0) == 64}
+    hidden = {layer.name for layer in plain.layers if getattr(layer, "units", 0) == 64}
     assert wrapped == large == hidden and len(hidden) == 2
-    assert remat.mode_of(model) == "larger_than"
-    assert remat.mode_of(remat.rematerialize(model, "none")) == "none"
+    assert remat.mode_of(model) == "larger_than" and remat.mode_of(plain) == "none"
+    # A rematerialized model is decided again: "none" unwraps it.
+    assert remat.mode_of(remat.rematerialize(model, "full")) == "full"
+    unwrapped_model = remat.rematerialize(model, "none")
+    assert remat.mode_of(unwrapped_model) == "none"
+    assert unwrapped_model.layers[1:] == plain.layers[1:]  # All but the new InputLayer.
 
 
-def test_saved_model_is_the_same_model(tmp_path):
-    model = remat.rematerialize(lm(), "full")
-    model.compile(ka.InvariantAdam(steps=2), LOSS)
+def test_nested_models_count_as_their_layers():
+    # A nested Sequential and a nested Functional model: cloned around the
+    # same layers, each wrapped but the Dropout; a Sequential gives a
+    # Functional model.
+    inner = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(16), keras.layers.Dropout(0.5)], name="inner"
+    )
+    x = keras.Input((16,))
+    block = keras.Model(x, keras.layers.Dense(4)(keras.layers.Dense(16)(x)), name="block")
+    inputs = keras.Input((8,))
+    plain = keras.Model(inputs, block(inner(keras.layers.Dense(16)(inputs))))
+    model = remat.rematerialize(plain, "full")
+    assert remat.mode_of(model) == "full"
+    kinds = [[type(layer).__name__ for layer in m.layers] for m in model.layers[2:]]
+    assert kinds == [["Rematerialized", "Dropout"], ["InputLayer"] + 2 * ["Rematerialized"]]
+    assert {id(v) for v in model.weights} == {id(v) for v in plain.weights}
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    np.testing.assert_array_equal(model(x), plain(x))
+    sequential = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    model = remat.rematerialize(sequential, "full")
+    assert [type(layer).__name__ for layer in model.layers] == ["InputLayer", "Rematerialized"]
+    np.testing.assert_array_equal(model(x), sequential(x))
+
+
+def test_nothing_global_or_on_the_model_changes():
+    from keras.src.backend.tensorflow import core
+
+    keras_remat = core.remat
+    plain = lm()
+    layers = list(plain.layers)
+    attributes = [sorted(vars(layer)) for layer in layers]
+    weights = plain.get_weights()
+    model = remat.rematerialize(plain, "full")
+    assert core.remat is keras_remat
+    assert plain.layers == layers and all(a is b for a, b in zip(plain.layers, layers))
+    assert [sorted(vars(layer)) for layer in plain.layers] == attributes
+    assert not any(wraps(layer) for layer in plain.layers)
+    # The new model holds the same variables, not copies.
+    assert all(a is b for a, b in zip(model.weights, plain.weights))
+    assert_same(model.get_weights(), weights)
+
+
+def test_a_model_not_rematerialized_trains_bit_identically():
+    # Two identical models, a third one rematerialized (and trained) in
+    # between: the other two end with exactly the same weights.
+    def trained():
+        keras.utils.set_random_seed(0)
+        model = lm()
+        model.compile(ka.InvariantAdam(1e-3, steps=2), LOSS)
+        model.fit(*data(lm), batch_size=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    before = trained()
+    other = remat.rematerialize(lm(), "full")
+    other.compile(ka.InvariantAdam(1e-3, steps=2), LOSS)
+    other.fit(*data(lm), batch_size=2, shuffle=False, verbose=0)
+    for p, q in zip(before, trained()):
+        np.testing.assert_array_equal(p, q)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_gradients_are_those_of_the_model(jit_compile):
+    plain = lm()
+    model = remat.rematerialize(plain, "full")
+    x, y = data(lm, items=4)
+
+    @tf.function(jit_compile=jit_compile)
+    def gradients(m):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(LOSS(y, m(x, training=True)))
+        return tape.gradient(loss, m.trainable_variables)
+
+    for p, q in zip(gradients(plain), gradients(model)):
+        np.testing.assert_allclose(tf.convert_to_tensor(p), tf.convert_to_tensor(q), atol=1e-6)
+
+
+def test_wrapping_a_sublayer_of_a_subclassed_model():
+    # The advice for a subclassed model, with a masked input: the mask
+    # reaches the recomputation (it differs from an unmasked mean).
+    class Pooled(keras.Model):
+        def __init__(self, wrap):
+            super().__init__()
+            self.embed = keras.layers.Embedding(10, 8, mask_zero=True)
+            self.hidden = keras.layers.Dense(8, activation="gelu")
+            self.pool = keras.layers.GlobalAveragePooling1D()
+            if wrap:
+                self.hidden = remat.Rematerialized(self.hidden)
+                self.pool = remat.Rematerialized(self.pool)
+            self.out = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.out(self.pool(self.hidden(self.embed(x))))
+
+    x = np.random.default_rng(0).integers(1, 10, (4, 6)).astype("int32")
+    x[:, 3:] = 0
+
+    def gradients(wrap):
+        keras.utils.set_random_seed(0)
+        model = Pooled(wrap)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x, training=True) ** 2)
+            return tape.gradient(loss, model.trainable_variables)
+
+        return [tf.convert_to_tensor(g) for g in step()]
+
+    for p, q in zip(gradients(False), gradients(True)):
+        np.testing.assert_allclose(p, q, atol=1e-6)
+
+
+def test_subclassed_model_is_refused():
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__(name="subclassed")
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Subclassed()
+    model(np.zeros((1, 4), "float32"))
+    with pytest.raises(ValueError) as error:
+        remat.rematerialize(model, "full")
+    message = str(error.value)
+    assert "\n" not in message and "Functional" in message and "Rematerialized" in message
+    assert message.endswith("Received: model='subclassed' of type Subclassed")
+
+
+def test_saved_model_loads(tmp_path):
+    plain = lm()
+    plain.compile(ka.InvariantAdam(steps=2), LOSS)
+    model = remat.rematerialize(plain, "full")
+    # Compiled as `plain`, with its optimizer object.
+    assert model.compiled and model.optimizer is plain.optimizer and model.loss is plain.loss
     x, y = data(lm)
     model.fit(x, y, batch_size=4, verbose=0)
     model.save(tmp_path / "m.keras")
-    loaded = keras.models.load_model(tmp_path / "m.keras")
-    assert [v.path for v in loaded.weights] == [v.path for v in model.weights]
+    loaded = keras.models.load_model(tmp_path / "m.keras")  # keras_accum is imported
+    assert remat.mode_of(loaded) == "full"  # The file holds the wrappers.
+    assert [v.path for v in loaded.weights] == [v.path for v in plain.weights]
     assert_same(loaded.get_weights(), model.get_weights())
-    assert all(layer._remat_mode is None for layer in loaded.layers)  # Not a format change.
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations) == 2
+
+
+def test_loop_checkpoint_is_that_of_the_run_without_remat(tmp_path):
+    # Written with remat, restored without it (and the other way round).
+    x, y = data(lm, items=8)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+
+    def trainer(mode):
+        keras.utils.set_random_seed(0)
+        optimizer = ka.GradientAccumulation(keras.optimizers.Adam(1e-3), steps=2)
+        return training.Trainer(lm(), optimizer, LOSS, remat=mode)
+
+    for saved, restored in (("full", "none"), ("none", "full")):
+        writer = trainer(saved)
+        writer.train_step(iter(writer.distribute(dataset)))
+        writer.save(str(tmp_path / saved))
+        reader = trainer(restored)
+        assert reader.restore(str(tmp_path / saved)) is not None
+        assert_same(reader.model.get_weights(), writer.model.get_weights())
+        assert remat.mode_of(reader.model) == restored
 
 
 BAD = "`remat` must be one of 'none', 'full', 'larger_than'. Received: remat='ful'"

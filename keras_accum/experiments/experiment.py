@@ -154,7 +154,10 @@ def train_and_evaluate(config, workdir, resume=False):
         if point is not None:
             if training.is_chief(strategy):
                 print(f"Resuming from {point.path} ({point.epoch} epochs done)", flush=True)
-            model = remat.rematerialize(fit.load_resume(point), config["remat"])
+            model = fit.load_resume(point)
+            if config["remat"] != "none":
+                # Also a checkpoint saved before `Rematerialized` existed.
+                model = remat.rematerialize(model, config["remat"])
         else:
             model = _build_model(config, info, kappa, config["epochs"] * windows_per_epoch)
     if config["strategy"] == "multi_worker":
@@ -269,7 +272,8 @@ def _build_model(config, info, kappa, total_updates):
     if info.vocab_size is not None:
         model_kwargs.setdefault("vocab_size", info.vocab_size)
     model = models.build_model(config["model"], info.input_shape, info.num_classes, **model_kwargs)
-    remat.rematerialize(model, config["remat"])
+    if config["remat"] != "none":
+        model = remat.rematerialize(model, config["remat"])
     model.compile(
         optimizer=make_optimizer(config, kappa, total_updates),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

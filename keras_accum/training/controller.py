@@ -290,10 +290,11 @@ def train(
         resume_hint: how to resume (e.g. the command), added to the
             `WorkerLostError` a lost peer raises.
         remat: "none", "full" or "larger_than": recompute `model`'s layers
-            in the backward pass (`keras_accum.remat.rematerialize`, set on
-            the model already built, before its step is traced): less
-            activation memory for about one more forward pass. The weights,
-            checkpoints and resume are those of the run without it.
+            in the backward pass: less activation memory for about one more
+            forward pass. The loop trains `keras_accum.remat.rematerialize(
+            model, remat)`, which shares `model`'s variables, so `model`
+            ends trained. The weights, checkpoints and resume are those of
+            the run without it.
 
     Returns:
         A dict name -> list of per-epoch means (over all the windows of that

@@ -96,10 +96,11 @@ class Trainer:
             is logged as its sample-weighted mean over the window.
         last_batch: "weighted" or "drop", see the module docstring.
         remat: rematerialization of `model`'s layers, one of
-            `keras_accum.remat.MODES`: "none" leaves the model as it is
-            (also one built under `keras.RematScope`); any other mode is
-            set on the model by `keras_accum.remat.rematerialize` before the
-            steps are traced. Weights and checkpoints are unchanged.
+            `keras_accum.remat.MODES`: "none" trains `model` as it is; any
+            other mode trains `keras_accum.remat.rematerialize(model,
+            remat)` (the `model` attribute), a new model sharing `model`'s
+            layers and variables, so `model` ends with the trained weights.
+            Checkpoints hold `model` as given: the same as without remat.
 
     Compiled functions (`tf.function`, traced once), each taking an iterator
     over `distribute(dataset)` and returning a dict of scalar logs:
@@ -135,10 +136,13 @@ class Trainer:
                 f"Received: last_batch={last_batch!r}"
             )
         self.last_batch = last_batch
-        if remat_lib.check_mode(remat) != "none":
-            remat_lib.rematerialize(model, remat)
+        remat_lib.check_mode(remat)
         checks.check_scope(self.strategy, model, optimizer)
         self.model, self.optimizer = model, optimizer
+        if remat != "none":
+            # In the scope: a compiled model's copy is compiled (its metrics).
+            with self.strategy.scope():
+                self.model = remat_lib.rematerialize(model, remat)
         self.steps = steps_per_update(optimizer)
         self._loss_fn = resolve_loss(loss_fn)
         self._metrics = resolve_metrics(metrics)
@@ -163,6 +167,8 @@ class Trainer:
                 name="log_sums",
             )
         self.checkpoint = tf.train.Checkpoint(
+            # `model` as given, not its rematerialized copy (the same
+            # variables): the checkpoint does not depend on `remat`.
             model=model,
             optimizer=optimizer,
             # A Keras model does not expose its SeedGenerator states (Dropout
