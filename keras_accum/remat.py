@@ -32,7 +32,8 @@ seen), `tf.recompute_grad` would return it dense (every row, and Adam would
 then move rows no token touched), and a lookup keeps nothing that
 recomputing it would free. Nor is a layer that draws random numbers
 (Dropout with rate > 0, or a layer holding one): its recomputation would
-draw new ones.
+draw new ones. Nor is a `BatchNormalization`: its training call moves its
+moving statistics, and the recomputation would move them a second time.
 
 Why not Keras's own: on the TensorFlow backend `keras.RematScope` and
 `keras.remat` are `tf.recompute_grad`, which in a `tf.function` refuses
@@ -253,11 +254,13 @@ def _candidates(model):
 
 def _may_recompute(layer):
     """False for what is never wrapped: an operation that is not a layer
-    (`x + y` in a Functional model), `InputLayer`, `Embedding`, and a layer
-    that draws random numbers."""
+    (`x + y` in a Functional model), `InputLayer`, `Embedding`,
+    `BatchNormalization` (a recomputation would move its moving statistics
+    twice) and a layer that draws random numbers."""
     if not isinstance(layer, keras.layers.Layer):
         return False
-    if isinstance(layer, (keras.layers.Embedding, keras.layers.InputLayer)):
+    never = (keras.layers.Embedding, keras.layers.InputLayer, keras.layers.BatchNormalization)
+    if isinstance(layer, never):
         return False
     return not _draws_random_numbers(layer)
 

@@ -431,3 +431,31 @@ def test_plan_takes_the_largest_measured_micro_batch_that_fits(monkeypatch):
         "tried": {1: 11},
     }
     assert tight["full"]["micro_batch"] == 2 and tight["full"]["steps"] == 4
+
+
+def test_batch_normalization_is_not_recomputed():
+    # A recomputed BatchNormalization moved its moving statistics twice per
+    # step (0.2.0 too): its forward pass runs again in the backward pass.
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        x = keras.layers.Dense(8)(inputs)
+        x = keras.layers.BatchNormalization(momentum=0.5)(x)
+        return keras.Model(inputs, keras.layers.Dense(1)(x))
+
+    x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32")
+    y = np.ones((16, 1), "float32")
+    stats = []
+    for mode in ("none", "full"):
+        model = remat.rematerialize(build(), mode)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        (bn,) = [
+            layer
+            for layer in model.layers
+            if isinstance(getattr(layer, "layer", layer), keras.layers.BatchNormalization)
+        ]
+        assert isinstance(bn, keras.layers.BatchNormalization)  # not wrapped
+        stats.append([bn.moving_mean.numpy(), bn.moving_variance.numpy()])
+    for a, b in zip(*stats):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
