@@ -127,7 +127,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         optimizer = self._window_optimizer() if training and self.trainable else None
         bad_mask = mask is not None and len(mask.shape) != len(inputs.shape) - 1
         if optimizer is None or bad_mask:
-            return super().call(inputs, training=training, mask=mask)  # Keras's layer
+            # Keras's layer (which also raises its own error for a bad mask).
+            return super().call(inputs, training=training, mask=mask)
         # As Keras's call, without its moving updates, plus the fold.
         compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
         inputs = ops.cast(inputs, compute_dtype)
@@ -232,8 +233,10 @@ def attach(model: keras.Layer, optimizer: keras.optimizers.Optimizer | None) -> 
     """Makes the `keras_accum.layers.BatchNormalization` layers of `model`
     (nested ones included) follow the windows of `optimizer`, for a training
     loop of your own that calls `optimizer.apply` (under `model.fit` they
-    follow the compiled optimizer without it). `None` undoes it. Returns
-    those layers. `keras_accum.training.Trainer` calls it for you.
+    follow the compiled optimizer without it). While attached, a layer
+    looks at no compiled optimizer; `None` undoes it. A layer that follows
+    an optimizer that does not accumulate is Keras's layer. Returns those
+    layers. `keras_accum.training.Trainer` calls it for you.
     """
     if not isinstance(model, keras.Layer):
         raise ValueError(f"`model` must be a Keras model or layer. Received: model={model!r}")
