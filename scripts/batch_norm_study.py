@@ -23,7 +23,7 @@ flags.DEFINE_list("micro_batches", ["4", "8"], "Items per micro-batch (b).")
 flags.DEFINE_list("kappas", ["8", "16"], "Micro-batches per update.")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
 flags.DEFINE_list("arms", None, "Arms (batch_norm_study.ARMS); default all.")
-flags.DEFINE_integer("epochs", 8, "Epochs over the 4000 training examples.", lower_bound=1)
+flags.DEFINE_integer("epochs", 6, "Epochs over the 4000 training examples.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 3e-3, "Adam's learning rate (every arm).")
 flags.DEFINE_string("output", None, "Write the rows here as JSON.")
 

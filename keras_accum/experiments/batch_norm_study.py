@@ -8,7 +8,10 @@ arms that see the same examples per update:
 * `keras_bn`: micro-batches of b, `GradientAccumulation(Adam, kappa)`,
   Keras's layer (moving statistics moved per micro-batch);
 * `window_bn`: the same with `keras_accum.layers.BatchNormalization`;
-* `window_renorm`: `window_bn` with `renorm=True` (clipping rmax 3, dmax 5).
+* `window_renorm`: `window_bn` with `renorm=True` (clipping rmax 3, dmax 5);
+* `window_bn_rescaled`: `window_bn` with momentum 0.99 ** kappa, the
+  horizon in examples of Keras's layer moved per micro-batch (a diagnostic
+  arm: is a gap the horizon?).
 
 Per run: test accuracy (inference: moving statistics), and how far each
 layer's moving statistics are from the population statistics of its inputs
@@ -29,18 +32,21 @@ import numpy as np
 import keras_accum as ka
 from keras_accum.experiments import data
 
-ARMS = ("big_batch", "keras_bn", "window_bn", "window_renorm")
+ARMS = ("big_batch", "keras_bn", "window_bn", "window_renorm", "window_bn_rescaled")
+MOMENTUM = 0.99  # Keras's default
 RENORM = {"renorm": True, "renorm_clipping": {"rmax": 3.0, "rmin": 1 / 3, "dmax": 5.0}}
 
 
-def cnn(arm, channels=32):
+def cnn(arm, kappa, channels=32):
     """Conv1D(5, 3, 3 stride 2) -> BN -> ReLU, three times; pooling; Dense."""
     layer = keras.layers.BatchNormalization
-    kwargs = {}
-    if arm in ("window_bn", "window_renorm"):
+    kwargs = {"momentum": MOMENTUM}
+    if arm.startswith("window_"):
         layer = ka.layers.BatchNormalization
     if arm == "window_renorm":
-        kwargs = RENORM
+        kwargs.update(RENORM)
+    if arm == "window_bn_rescaled":
+        kwargs["momentum"] = MOMENTUM**kappa
     inputs = keras.Input((40,))
     x = keras.layers.Reshape((40, 1))(inputs)
     for kernel in (5, 3, 3):
@@ -75,7 +81,7 @@ def run_one(arm, micro_batch, kappa, seed, epochs, learning_rate, arrays):
     if arm not in ARMS:
         raise ValueError(f"`arm` must be one of {ARMS}. Received: arm={arm!r}")
     keras.utils.set_random_seed(seed)
-    model = cnn(arm)
+    model = cnn(arm, kappa)
     adam = keras.optimizers.Adam(learning_rate)
     if arm == "big_batch":
         optimizer, batch_size = adam, micro_batch * kappa
@@ -106,7 +112,7 @@ def run_one(arm, micro_batch, kappa, seed, epochs, learning_rate, arrays):
     }
 
 
-def run(micro_batches, kappas, seeds, arms=ARMS, epochs=8, learning_rate=3e-3, log=print):
+def run(micro_batches, kappas, seeds, arms=ARMS, epochs=6, learning_rate=3e-3, log=print):
     """Every (micro-batch, kappa, seed, arm); returns the rows."""
     arrays = data.make_mnist1d()
     rows = []
