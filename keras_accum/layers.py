@@ -45,6 +45,12 @@ class BatchNormalization(keras.layers.BatchNormalization):
     move once per window too, as Keras moves them for a batch of mean mu and
     variance s^2.
 
+    The horizon is the big batch's too: the moving statistics forget over
+    about 1 / (1 - momentum) updates, where Keras's layer under
+    accumulation forgets over as many micro-batches. In a run of few
+    updates pass `momentum=0.99 ** kappa` to keep the horizon in examples
+    (docs/BATCH_NORM.md measures both).
+
     What stays per micro-batch: the normalization in training uses the
     micro-batch's own mean and variance ("ghost" batch normalization,
     exactly as Keras's layer computes it). It cannot be the window's without
