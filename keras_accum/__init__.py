@@ -14,6 +14,10 @@ of micro-batches per update. `steps` may also be a schedule
 run; `InvariantAdam(scaling_rule=...)` then rescales its hyperparameters
 per window.
 
+`keras_accum.layers.BatchNormalization` moves its moving statistics once per
+window, to the statistics of the window's items (`convert_batch_normalization`
+swaps it in for Keras's layer).
+
 `rematerialize(model, "full")` returns a model (sharing `model`'s variables)
 that recomputes its layers in the backward pass: less activation memory
 when one micro-batch does not fit.
@@ -23,6 +27,7 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+from keras_accum import layers  # noqa: E402
 from keras_accum.adaptive_steps import AdaptiveSteps  # noqa: E402
 from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402
 from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
@@ -41,6 +46,7 @@ __all__ = [
     "InvariantAdam",
     "PiecewiseSteps",
     "UpdateAccumulationAdam",
+    "layers",
     "rematerialize",
     "scale_hyperparameters",
     "weigh_micro_batches",

@@ -188,3 +188,58 @@ def tensorboard_writers(callback):
     train and validation writers, None until used). Checked on Keras
     3.10-3.15."""
     return [callback.__dict__.get(name) for name in ("_train_writer", "_val_writer")]
+
+
+# -- batch normalization ----------------------------------------------------------
+# (keras_accum.layers: the micro-batch's moments and batch renormalization
+# exactly as keras.layers.BatchNormalization computes them, the model being
+# called, and the layers and class of a model.)
+
+
+def calling_model():
+    """The outermost layer of the call in progress (the model `fit`'s
+    `train_step` calls), or None outside a call."""
+    # "current_call_ctx".entry_layer: Keras's record of the layer a call
+    # started from (Layer._get_call_context); checked: Keras 3.15.1.
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.entry_layer
+
+
+def batch_moments(layer, inputs, mask):
+    """(mean, biased variance) of a micro-batch per channel, as Keras's
+    layer normalizes with them (mask and `synchronized` honoured)."""
+    # BatchNormalization._moments; checked: Keras 3.15.1 (also in an
+    # earlier 3.x source, with the same signature).
+    return layer._moments(inputs, mask)
+
+
+def renorm_transform(layer, mean, variance, gamma, beta, dtype):
+    """(gamma, beta) corrected by batch renormalization's r and d, which
+    read the layer's renorm statistics (Keras 3.14+, `renorm=True`)."""
+    # BatchNormalization._renorm_correction_and_moments and
+    # ._compose_transforms; checked: Keras 3.15.1.
+    r, d, _, _ = layer._renorm_correction_and_moments(mean, variance)
+    return layer._compose_transforms(r, d, gamma, beta, dtype)
+
+
+def update_renorm_statistics(layer, mean, variance):
+    """The moving and renorm statistics of `renorm=True` moved towards a
+    batch's `mean` and `variance`, as Keras's layer moves them."""
+    # BatchNormalization._update_renorm_statistics; checked: Keras 3.15.1.
+    layer._update_renorm_statistics(mean, variance)
+
+
+def all_layers(layer):
+    """Every layer inside `layer`, nested ones included, not itself."""
+    # Layer._flatten_layers(include_self, recursive); checked: Keras 3.15.1.
+    return list(layer._flatten_layers(include_self=False, recursive=True))
+
+
+def is_functional(model):
+    """True for a Functional model (what `clone_model` can rebuild)."""
+    # keras.src.models.functional.Functional; checked: Keras 3.15.1.
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional)

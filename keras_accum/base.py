@@ -20,7 +20,9 @@ The route of one call (TensorFlow backend):
 3. The micro-step counter advances; at a boundary `_update` changes the
    model variables and `iterations` (the update count, which learning-rate
    schedules see) advances by one (`_execution.at_window_end` decides how
-   the boundary runs: a branch, or under XLA a kept select).
+   the boundary runs: a branch, or under XLA a kept select); the callbacks
+   of `on_window_end` run there too (the moving statistics of
+   `keras_accum.layers.BatchNormalization`).
 
 Subclass hooks receive tensors and variables; every cross-replica verb is
 in `keras_accum._replicas`, the non-finite policy in
@@ -283,11 +285,14 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         micro_step = self._micro_step.assign_add(1)
         boundary = self._window_done(micro_step)
         self._overwrite_with_gradients(overwrite, boundary)
-        _execution.at_window_end(
-            boundary,
-            lambda keep: self._end_window(trainable_variables, keep),
-            every_step=self.steps == 1,
-        )
+        followers = self._window_end_callbacks()
+
+        def end(keep):
+            self._end_window(trainable_variables, keep)
+            for callback in followers:  # `on_window_end`, in the same branch
+                callback(keep)
+
+        _execution.at_window_end(boundary, end, every_step=self.steps == 1)
 
     def _overwrite_with_gradients(self, pairs, boundary):
         """`overwrite_with_gradient` variables take the gradient of the

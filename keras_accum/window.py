@@ -4,11 +4,22 @@ A window is `steps` micro-batches per replica; with a schedule
 (`keras_accum.PiecewiseSteps`, `AdaptiveSteps`) its size is read when the
 window starts and holds until it ends (the size and the end micro-step are
 optimizer variables, so a checkpoint may fall inside a window).
+
+Others can follow the windows: `on_window_end(callback)` runs `callback` in
+the `apply` call that ends each window (what
+`keras_accum.layers.BatchNormalization` updates its moving statistics with).
 """
+
+import inspect
+import weakref
 
 import tensorflow as tf
 
 from keras_accum.schedules import StepsSchedule
+
+# Per optimizer (held weakly, as its callbacks are): the callbacks of
+# `on_window_end`, in the order they were registered.
+_WINDOW_END = weakref.WeakKeyDictionary()
 
 
 class WindowMixin:
@@ -44,6 +55,34 @@ class WindowMixin:
         self._window_size.assign(size)
         self._window_end.assign(tf.where(start, step + size, self._window_end))
         return start
+
+    def on_window_end(self, callback):
+        """Runs `callback(keep)` in every `apply` call that ends a window,
+        after the update, in cross-replica context (a cross-replica
+        reduction there is the window's one communication), so traced into
+        the training step that calls `apply`: register before `apply` is
+        traced (e.g. in the forward pass of the same step).
+
+        `keep` is None when the callback runs only at a window's end (a
+        `tf.cond` branch, or every micro-batch ends a window); under XLA on
+        one replica the callback runs on every micro-step and `keep` is a
+        boolean tensor: its writes must hold only where `keep` does (a
+        select). A bound method is held weakly (it goes with its object);
+        registering the same callback again does nothing. Callbacks run in
+        the order they were registered.
+        """
+        callbacks = _WINDOW_END.setdefault(self, [])
+        if any(ref() == callback for ref in callbacks):
+            return
+        if inspect.ismethod(callback):
+            callbacks.append(weakref.WeakMethod(callback))
+        else:
+            callbacks.append(lambda: callback)
+
+    def _window_end_callbacks(self):
+        """The live callbacks of `on_window_end`, in order."""
+        callbacks = (ref() for ref in _WINDOW_END.get(self, []))
+        return [c for c in callbacks if c is not None]
 
     def _window_done(self, micro_step):
         """True when `micro_step` micro-batches complete the current window."""

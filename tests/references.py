@@ -170,3 +170,32 @@ def scheduled_invariant_adam(
             average = theta if k == 0 else rho * average + (1 - rho) * theta
         consumed += kappa
     return theta if ema is None else (theta, average)
+
+
+def window_batch_norm(batches, sizes, momentum, mean, variance, masks=None):
+    """`keras_accum.layers.BatchNormalization`'s moving statistics after the
+    micro-batches `batches` (activations [n_i, ..., C]; `masks`: per item
+    weights 0 or 1, or None) in windows of `sizes[k]` micro-batches in turn
+    (a last partial window moves nothing). Micro-batch i: n_i items, mean
+    mu_i, biased variance s_i^2; S1 += n_i mu_i, S2 += n_i (s_i^2 + mu_i^2),
+    N += n_i; at a window's end mu = S1 / N, s^2 = S2 / N - mu^2,
+    M = m M + (1 - m) mu, V = m V + (1 - m) s^2."""
+    mean, variance = np.float64(mean), np.float64(variance)
+    masks = masks or [None] * len(batches)
+    start = 0
+    for size in sizes:
+        if start + size > len(batches):
+            break
+        s1 = s2 = n = 0.0
+        for x, w in zip(batches[start : start + size], masks[start : start + size]):
+            x = np.asarray(x, np.float64).reshape(-1, np.shape(x)[-1])
+            w = np.ones(len(x)) if w is None else np.asarray(w, np.float64).reshape(-1)
+            n_i = w.sum()
+            mu_i = (w[:, None] * x).sum(0) / n_i
+            var_i = (w[:, None] * (x - mu_i) ** 2).sum(0) / n_i
+            s1, s2, n = s1 + n_i * mu_i, s2 + n_i * (var_i + mu_i**2), n + n_i
+        start += size
+        mu = s1 / n
+        mean = momentum * mean + (1 - momentum) * mu
+        variance = momentum * variance + (1 - momentum) * (s2 / n - mu**2)
+    return mean, variance

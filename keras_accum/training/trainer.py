@@ -50,8 +50,10 @@ Design choices:
 * Communication per window: one all-reduce of the micro-batch counts, one of
   the logs (loss and metric sums), plus the optimizer's own
   (`GradientAccumulation`: one gradient all-reduce per window).
-* BatchNorm statistics are computed per micro-batch (as in any accumulation
-  scheme), not over the window.
+* BatchNorm: Keras's layer normalizes with, and moves its moving statistics
+  towards, each micro-batch. `keras_accum.layers.BatchNormalization` moves
+  them once per window, to the window's statistics: the Trainer attaches
+  the model's such layers to its optimizer (`keras_accum.layers.attach`).
 
 The step function is traced once: its only argument is the iterator and all
 counters live in variables.
@@ -69,6 +71,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import base
+from keras_accum import layers as layers_lib
 from keras_accum import remat as remat_lib
 from keras_accum.training import checkpoints, checks
 from keras_accum.training.checks import steps_per_update
@@ -139,6 +142,9 @@ class Trainer:
         remat_lib.check_mode(remat)
         checks.check_scope(self.strategy, model, optimizer)
         self.model, self.optimizer = model, optimizer
+        # Its keras_accum BatchNormalization layers follow this optimizer's
+        # windows (no compiled optimizer tells them here).
+        layers_lib.attach(model, optimizer)
         if remat != "none":
             # In the scope: a compiled model's copy is compiled (its metrics).
             with self.strategy.scope():
