@@ -17,9 +17,14 @@ import tensorflow as tf
 
 from keras_accum.schedules import StepsSchedule
 
-# Per optimizer (held weakly, as its callbacks are): the callbacks of
-# `on_window_end`, in the order they were registered.
-_WINDOW_END = weakref.WeakKeyDictionary()
+
+class _Followers:
+    """The callbacks of one optimizer's `on_window_end`, in the order they
+    were registered, each held weakly (a plain holder: nothing Keras or
+    TensorFlow tracks or saves)."""
+
+    def __init__(self):
+        self.refs = []
 
 
 class WindowMixin:
@@ -71,7 +76,9 @@ class WindowMixin:
         registering the same callback again does nothing. Callbacks run in
         the order they were registered.
         """
-        callbacks = _WINDOW_END.setdefault(self, [])
+        if getattr(self, "_followers", None) is None:
+            self._followers = _Followers()
+        callbacks = self._followers.refs
         if any(ref() == callback for ref in callbacks):
             return
         if inspect.ismethod(callback):
@@ -81,7 +88,8 @@ class WindowMixin:
 
     def _window_end_callbacks(self):
         """The live callbacks of `on_window_end`, in order."""
-        callbacks = (ref() for ref in _WINDOW_END.get(self, []))
+        followers = getattr(self, "_followers", None)
+        callbacks = (ref() for ref in (followers.refs if followers else []))
         return [c for c in callbacks if c is not None]
 
     def _window_done(self, micro_step):
