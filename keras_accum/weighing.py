@@ -123,8 +123,9 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     leaves no public hook between a step's loss and its `apply`; the
     wrapped loss is the one place that sees the denominator, and `compile`
     replaces it). A model whose own `compute_loss` does not use the
-    compiled loss is not weighed. Needs one loss for token means. Returns
-    `model`.
+    compiled loss is not weighed. Needs one loss for token means. With a
+    Keras optimizer (one update per batch, whose mean is already exact)
+    it changes nothing. Returns `model`.
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a `keras.Model`. Received: model={model!r}")
@@ -137,17 +138,15 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     optimizer = model.optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
-    if not getattr(optimizer, "takes_weights", False):
-        name = type(optimizer).__name__
+    if not hasattr(optimizer, "takes_weights"):
+        # A Keras optimizer steps on every batch: its mean over the batch is
+        # already the exact one, and there is nothing to weigh.
+        return model
+    if not optimizer.takes_weights:
         raise ValueError(
-            f"`weigh_micro_batches` has no effect with {name}, which "
-            + (
-                "averages micro-batches equally; "
-                if hasattr(optimizer, "takes_weights")
-                else "does not accumulate micro-batches; "
-            )
-            + "compile with GradientAccumulation(...) to weigh them. "
-            f"Received: optimizer={getattr(optimizer, 'name', optimizer)!r}"
+            f"`weigh_micro_batches` has no effect with {type(optimizer).__name__}, which "
+            "averages micro-batches equally; compile with GradientAccumulation(...) "
+            f"to weigh them. Received: optimizer={optimizer.name!r}"
         )
     compiled = _compat.compiled_loss(model)
     if isinstance(compiled, _WeighedLoss):

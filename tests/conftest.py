@@ -51,7 +51,8 @@ collect_ignore = ["_train_job.py"]
 # reference, ported case and in-process bad-input table. The slow tier
 # (`python3 -m pytest -q -m slow`, run by .ci/run after the fast one) holds
 # what runs whole studies, drills, benchmarks or other processes. A test sits
-# in exactly one tier; a new slow test goes in SLOW_FILES or SLOW_TESTS.
+# in exactly one tier; a new slow test goes in SLOW_FILES, SLOW_TESTS or
+# SLOW_CASES.
 
 # Whole files: studies, drills, benchmark smoke runs, multi-process runs.
 SLOW_FILES = {
@@ -86,6 +87,39 @@ SLOW_TESTS = {
         "test_kill_between_writes_and_a_failed_write",
     },
 }
+# Tests of library behaviour that train a larger model, several replicas or
+# several whole runs (over ~3 s each on an idle 2-core machine); a name with
+# its parameters (`name[params]`) moves that case alone. Each keeps a faster
+# sibling in the fast tier (a smaller model, one device, or graph mode).
+SLOW_CASES = {
+    "test_remat.py": {
+        "test_mirrored_same_weights",
+        "test_fit_same_weights_under_xla",
+        "test_run_records_remat_and_peak_memory",
+        "test_memory_probe_measures_less_with_remat",
+        "test_fit_under_mirrored_same_weights",
+        "test_mixed_precision_recomputes_in_float16",
+        "test_custom_loop_same_weights[lm]",
+        "test_fit_same_weights[lm-full]",
+        "test_fit_same_weights[lm-larger_than]",
+        "test_saved_model_is_the_same_model",
+    },
+    "test_schedules.py": {
+        "test_save_and_load_mid_window_across_a_switch[invariant_adam_fixed_beta_1_ema]",
+    },
+    "test_experiment.py": {
+        "test_every_saved_config_runs_in_smoke_size",
+        "test_resume_continues_exactly",
+        "test_first_run_on_a_fresh_data_dir_equals_the_second",
+    },
+    "test_fit_and_saving.py": {"test_mirrored_fit_equals_one_device[invariant_adam]"},
+    "test_language_model.py": {
+        "test_fit_mixed_float16_with_global_clipnorm",
+        "test_fit_two_replicas_equals_the_big_batch",
+    },
+    "test_sparse.py": {"test_fit_on_a_transformer_matches_dense_gradients[xla-InvariantAdam]"},
+    "test_run_folder.py": {"test_a_config_json_cut_by_an_older_version_is_restarted"},
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -94,5 +128,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         file = item.path.name
         name = getattr(item, "originalname", item.name)
-        if file in SLOW_FILES or name in SLOW_TESTS.get(file, ()):
+        cases = SLOW_CASES.get(file, ())
+        if (
+            file in SLOW_FILES
+            or name in SLOW_TESTS.get(file, ())
+            or name in cases
+            or item.name in cases
+        ):
             item.add_marker(pytest.mark.slow)

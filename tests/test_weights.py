@@ -59,9 +59,11 @@ def test_weighed_model_recompiled_with_an_adam_variant_trains_as_never_weighed(n
         np.testing.assert_array_equal(a, b)
 
 
-def test_weigh_micro_batches_refuses_a_keras_optimizer():
-    with pytest.raises(ValueError, match=r"with Adam, which does not accumulate"):
-        ka.weigh_micro_batches(_model(keras.optimizers.Adam()))
+def test_weigh_micro_batches_leaves_a_keras_optimizer_as_it_is():
+    # One update per batch: the batch mean is already exact.
+    model = _model(keras.optimizers.SGD(0.1))
+    compiled = model._compile_loss
+    assert ka.weigh_micro_batches(model) is model and model._compile_loss is compiled
 
 
 def test_gradient_accumulation_uses_the_weight():
