@@ -69,6 +69,7 @@ SLOW_TESTS = {
         "test_script_subprocess_error_is_one_line",
         "test_study_script_refuses_an_unknown_variant_in_one_line",
         "test_script_subprocess_names_a_corrupt_config_json",
+        "test_script_corrected_command_runs_in_the_refused_folder",
     },
     "test_data.py": {"test_mnist1d_prepared_by_two_processes_at_once"},
     "test_experiment.py": {
@@ -103,6 +104,8 @@ SLOW_CASES = {
         "test_fit_same_weights[lm-full]",
         "test_fit_same_weights[lm-larger_than]",
         "test_saved_model_is_the_same_model",
+        "test_a_model_not_rematerialized_trains_bit_identically",
+        "test_loop_checkpoint_is_that_of_the_run_without_remat",
     },
     "test_schedules.py": {
         "test_save_and_load_mid_window_across_a_switch[invariant_adam_fixed_beta_1_ema]",
