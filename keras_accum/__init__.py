@@ -27,6 +27,13 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+import keras as _keras  # noqa: E402
+
+from keras_accum import _floor  # noqa: E402
+
+# Before any other module of ours: an older Keras fails here, in one line.
+_floor.check_keras(_keras.__version__)
+
 from keras_accum import layers  # noqa: E402
 from keras_accum.adaptive_steps import AdaptiveSteps  # noqa: E402
 from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402

@@ -99,6 +99,16 @@ def is_per_replica(value):
     return isinstance(value, tf.distribute.DistributedValues)
 
 
+def _sync_on_read(next_creator, **kwargs):
+    """A `tf.variable_creator_scope` creator: the `tf.Variable` inside a
+    `keras.Variable` becomes sync-on-read, SUM. Through TensorFlow because
+    `keras.Variable` takes `synchronization=` only from Keras 3.10 on; this
+    way is the same on every Keras version (3.8.0-3.15.1 checked)."""
+    kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
+    kwargs["aggregation"] = tf.VariableAggregation.SUM
+    return next_creator(**kwargs)
+
+
 def add_local_variable(optimizer, shape, dtype, name, reference=None):
     """A replica-local variable of `optimizer`: each replica holds its own
     part, a read in cross-replica context (or a checkpoint) sees the sum,
@@ -112,14 +122,17 @@ def add_local_variable(optimizer, shape, dtype, name, reference=None):
         colocate = _compat.optimizer_strategy(optimizer).extended.colocate_vars_with(
             getattr(reference, "value", reference)
         )
-    with colocate, keras.name_scope(optimizer.name, caller=optimizer):
+    with (
+        colocate,
+        keras.name_scope(optimizer.name, caller=optimizer),
+        tf.variable_creator_scope(_sync_on_read),
+    ):
         variable = keras.Variable(
             initializer=initializers.get("zeros"),
             shape=shape,
             dtype=dtype,
             trainable=False,
             aggregation="sum",
-            synchronization="on_read",
             name=name,
         )
     _compat.track_variable(optimizer, variable)

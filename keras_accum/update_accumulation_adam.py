@@ -76,8 +76,15 @@ class UpdateAccumulationAdam(AdamFamily):
         )
         # No buffer A when every window is one micro-step (plain Adam).
         buffered = schedules.steps_range(self.steps)[1] > 1
-        slots = ["momentum", "velocity"] + (["update"] if buffered else [])
-        slots = self.add_optimizer_variables(var_list, slots)
+        names = ["momentum", "velocity"] + (["update"] if buffered else [])
+        # What Keras 3.10's `add_optimizer_variables` does (3.5-3.9 lack it):
+        # the slots interleaved per variable (the order saved files hold),
+        # None for an `overwrite_with_gradient` variable.
+        slots = tuple([] for _ in names)
+        for var in var_list:
+            overwrite = getattr(var, "overwrite_with_gradient", False)
+            for slot, name in zip(slots, names):
+                slot.append(None if overwrite else self.add_variable_from_reference(var, name))
         self._momentums, self._velocities = slots[0], slots[1]
         self._updates = slots[2] if buffered else None
         self._restore_deferred_state()
