@@ -109,6 +109,13 @@ def _sync_on_read(next_creator, **kwargs):
     return next_creator(**kwargs)
 
 
+def sync_on_read():
+    """A context in which each `keras.Variable` created is replica-local
+    (sync-on-read, SUM): each replica holds its own part, a read in
+    cross-replica context (or a save) sees the total."""
+    return tf.variable_creator_scope(_sync_on_read)
+
+
 def add_local_variable(optimizer, shape, dtype, name, reference=None):
     """A replica-local variable of `optimizer`: each replica holds its own
     part, a read in cross-replica context (or a checkpoint) sees the sum,
@@ -125,7 +132,7 @@ def add_local_variable(optimizer, shape, dtype, name, reference=None):
     with (
         colocate,
         keras.name_scope(optimizer.name, caller=optimizer),
-        tf.variable_creator_scope(_sync_on_read),
+        sync_on_read(),
     ):
         variable = keras.Variable(
             initializer=initializers.get("zeros"),

@@ -113,9 +113,9 @@ class BatchNormalization(keras.layers.BatchNormalization):
         super().build(input_shape)
         shape = (input_shape[self.axis],)
         dtype = keras.backend.result_type(self.variable_dtype, "float32")
-        with keras.name_scope(self.name, caller=self):
-            # Replica-local (on-read SUM): each replica adds its own part,
-            # a read in cross-replica context (or a save) sees the total.
+        # Replica-local (on-read SUM): each replica adds its own part, a
+        # read in cross-replica context (or a save) sees the total.
+        with keras.name_scope(self.name, caller=self), _replicas.sync_on_read():
             local = dict(
                 initializer="zeros",
                 shape=shape,
@@ -123,7 +123,6 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 trainable=False,
                 autocast=False,
                 aggregation="sum",
-                synchronization="on_read",
             )
             self.window_sum = keras.Variable(name="window_sum", **local)
             self.window_square_sum = keras.Variable(name="window_square_sum", **local)
