@@ -141,7 +141,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         beta = ops.cast(self.beta, compute_dtype) if self.center else None
         mean, variance = _compat.batch_moments(self, inputs, mask)
         self._fold(inputs, mask, mean, variance)
-        if self.renorm:
+        if getattr(self, "renorm", False):  # Keras 3.14+
             gamma, beta = _compat.renorm_transform(self, mean, variance, gamma, beta, compute_dtype)
         outputs = ops.batch_normalization(
             x=inputs,
@@ -217,10 +217,10 @@ class BatchNormalization(keras.layers.BatchNormalization):
         `variance` where `write` holds (per channel), as Keras's layer
         moves them for one batch."""
         moving = [self.moving_mean, self.moving_variance]
-        if self.renorm:
+        if getattr(self, "renorm", False):  # Keras 3.14+
             moving += [self.moving_stddev, self.renorm_mean, self.renorm_stddev]
         before = [tf.identity(tf.convert_to_tensor(v)) for v in moving]
-        if self.renorm:
+        if getattr(self, "renorm", False):  # Keras 3.14+
             _compat.update_renorm_statistics(self, mean, variance)
         else:  # Keras's lines, for the batch of the whole window
             moving_mean = ops.cast(self.moving_mean, mean.dtype)

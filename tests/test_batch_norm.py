@@ -20,6 +20,10 @@ from conftest import mirrored_strategy
 import keras_accum as ka
 from keras_accum import training
 
+# Batch renormalization came with Keras 3.14.
+HAS_RENORM = "renorm" in keras.layers.BatchNormalization().get_config()
+RENORM = [False, True] if HAS_RENORM else [False]
+
 RNG = np.random.default_rng(0)
 # Mean 1, spread 2: a shift the sums must not lose.
 X = RNG.normal(1.0, 2.0, size=(48, 6, 2)).astype("float32")
@@ -106,6 +110,7 @@ def test_keras_layer_under_accumulation_is_not_the_big_batch():
     assert gap > 1e-2
 
 
+@pytest.mark.skipif(not HAS_RENORM, reason="renorm=True needs Keras 3.14+")
 def test_renorm_statistics_are_keras_at_the_big_batch():
     model = fit(build(renorm=True), FROZEN["gradient_accumulation"](K), B)
     assert_close(moving(model), keras_big_batch(K * B, renorm=True))
@@ -236,9 +241,11 @@ def test_without_an_accumulating_optimizer_it_is_keras_bit_for_bit():
     np.testing.assert_array_equal(norm_layer(model).window_count.numpy(), 0.0)
 
 
-def test_training_normalization_is_the_micro_batch_as_keras_computes_it():
-    reference = keras.layers.BatchNormalization(renorm=True, momentum=MOMENTUM)
-    layer = ka.layers.BatchNormalization(renorm=True, momentum=MOMENTUM)
+@pytest.mark.parametrize("renorm", RENORM)
+def test_training_normalization_is_the_micro_batch_as_keras_computes_it(renorm):
+    extra = {"renorm": True} if renorm else {}
+    reference = keras.layers.BatchNormalization(momentum=MOMENTUM, **extra)
+    layer = ka.layers.BatchNormalization(momentum=MOMENTUM, **extra)
     model = keras.Sequential([keras.Input((6, 2)), layer])
     ka.layers.attach(model, FROZEN["gradient_accumulation"](K))
     x = tf.constant(X[:B])
