@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 import keras_accum as ka
+from keras_accum import _compat
 from keras_accum.experiments import optimizers
 
 
@@ -48,7 +49,7 @@ class GradientsOnly(keras.optimizers.Optimizer):
         # A sparse gradient (`tf.IndexedSlices`) is read as its values.
         values = [getattr(g, "values", g) for g in grads if g is not None]
         self._sink.assign(tf.add_n([tf.reduce_sum(tf.cast(g, "float32")) for g in values]))
-        self._iterations.assign_add(1)
+        _compat.update_counter(self).assign_add(1)
 
 
 @dataclasses.dataclass(frozen=True)
