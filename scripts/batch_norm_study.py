@@ -26,6 +26,8 @@ flags.DEFINE_list("arms", None, "Arms (batch_norm_study.ARMS); default all.")
 flags.DEFINE_integer("epochs", 6, "Epochs over the 4000 training examples.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 3e-3, "Adam's learning rate (every arm).")
 flags.DEFINE_string("output", None, "Write the rows here as JSON.")
+flags.DEFINE_string("plot", None, "Write the figure of docs/BATCH_NORM.md here (PNG).")
+flags.DEFINE_string("rows", None, "Rows saved by --output: table and figure, no runs.")
 
 
 def main(argv):
@@ -37,17 +39,22 @@ def main(argv):
     bad = [arm for arm in arms if arm not in batch_norm_study.ARMS]
     if bad:
         sys.exit(f"error: `arms` must be among {batch_norm_study.ARMS}. Received: arms={arms!r}")
-    rows = batch_norm_study.run(
-        [int(v) for v in FLAGS.micro_batches],
-        [int(v) for v in FLAGS.kappas],
-        [int(v) for v in FLAGS.seeds],
-        arms=arms,
-        epochs=FLAGS.epochs,
-        learning_rate=FLAGS.learning_rate,
-        log=lambda row: print(json.dumps(row), flush=True),
-    )
+    if FLAGS.rows:
+        rows = json.loads(pathlib.Path(FLAGS.rows).read_text())
+    else:
+        rows = batch_norm_study.run(
+            [int(v) for v in FLAGS.micro_batches],
+            [int(v) for v in FLAGS.kappas],
+            [int(v) for v in FLAGS.seeds],
+            arms=arms,
+            epochs=FLAGS.epochs,
+            learning_rate=FLAGS.learning_rate,
+            log=lambda row: print(json.dumps(row), flush=True),
+        )
     if FLAGS.output:
         pathlib.Path(FLAGS.output).write_text(json.dumps(rows, indent=1))
+    if FLAGS.plot:
+        batch_norm_study.plot(rows, FLAGS.plot, epochs=FLAGS.epochs)
     print(batch_norm_study.table(rows))
 
 

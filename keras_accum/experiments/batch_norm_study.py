@@ -154,3 +154,39 @@ def table(rows):
                 f"| {cell('variance_ratio')} | {len(group)} |"
             )
     return "\n".join(lines)
+
+
+def plot(rows, png, epochs=6):
+    """Test accuracy and moving / true variance per arm and (b, kappa), with
+    the updates `epochs` gave; mean and seed std as error bars."""
+    from keras_accum.experiments.invariance.report import mean_std, pyplot, save_figure
+
+    plt = pyplot()
+    groups = sorted({(r["micro_batch"], r["kappa"]) for r in rows})
+    arms = [arm for arm in ARMS if any(r["arm"] == arm for r in rows)]
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        for ax, key in zip(axes, ("test_accuracy", "variance_ratio")):
+            stats = []
+            for b, kappa in groups:
+                cell = (arm, b, kappa)
+                values = [r[key] for r in rows if (r["arm"], r["micro_batch"], r["kappa"]) == cell]
+                stats.append(mean_std(values) if values else (float("nan"), 0.0))
+            positions = [g + (i - (len(arms) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(positions, [m for m, _ in stats], width, yerr=[s for _, s in stats], label=arm)
+    axes[0].set_ylabel("test accuracy")
+    axes[0].set_ylim(0.0, 1.15)
+    axes[1].set_ylabel("moving / true variance")
+    axes[1].set_yscale("log")
+    axes[1].axhline(1.0, color="black", linewidth=0.8)
+    updates = [epochs * 4000 // (b * kappa) for b, kappa in groups]
+    axes[1].set_xticks(range(len(groups)))
+    axes[1].set_xticklabels(
+        [f"b={b}, kappa={k}\n{u} updates" for (b, k), u in zip(groups, updates)]
+    )
+    axes[0].legend(fontsize=8, ncol=len(arms))
+    fig.suptitle(f"MNIST-1D CNN with 3 BatchNormalization layers, {epochs} epochs")
+    fig.tight_layout()
+    save_figure(fig, png)
+    plt.close(fig)
