@@ -3,8 +3,10 @@
 The rest of the library uses public API and the documented optimizer
 subclass contract (`build`, `update_step`-style hooks, `add_variable`,
 `assign*`). Each function here says what it is for and the Keras versions
-it was checked on; when Keras changes one of these names, this is the file
-to change, and `tests/test_compat.py` the test that says so.
+it was checked on (the sources read); `.ci/floor` also runs the library's
+optimizer, fit, saving and batch-norm tests through them on Keras 3.8.0.
+When Keras changes one of these names, this is the file to change, and
+`tests/test_compat.py` the test that says so.
 """
 
 import contextlib
