@@ -71,7 +71,7 @@ def _reduction(model):
     return reduction
 
 
-def loss_denominator(reduction, x, y_pred, sample_weight):
+def loss_denominator(reduction, y_pred, sample_weight):
     """The number Keras divides the micro-batch's summed loss by: the sum of
     the sample weights (times the Keras mask) for
     `reduction="mean_with_sample_weight"`, the number of unmasked entries
@@ -98,7 +98,7 @@ def loss_denominator(reduction, x, y_pred, sample_weight):
             weights = mask  # sum(l * w * mask) / (unmasked count)
     if weights is not None:
         return tf.reduce_sum(weights)
-    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    first = next(t for t in keras.tree.flatten(y_pred) if t is not None)
     return tf.cast(tf.shape(first)[0], "float32")
 
 
@@ -134,7 +134,7 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
             "`weigh_micro_batches` must be called after `model.compile`. "
             f"Received: model={model.name!r} (not compiled)"
         )
-    _reduction(model)  # refuse a loss it cannot weigh now, not at the first step
+    reduction = _reduction(model)  # refuse a loss it cannot weigh now, not at the first step
     optimizer = model.optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
@@ -151,7 +151,8 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     compiled = _compat.compiled_loss(model)
     if isinstance(compiled, _WeighedLoss):
         compiled = compiled.compiled  # weighed twice: once is enough
-    _compat.set_compiled_loss(model, _WeighedLoss(compiled, model, optimizer.fit_items()))
+    weighed = _WeighedLoss(compiled, reduction, optimizer.fit_items())
+    _compat.set_compiled_loss(model, weighed)
     model.make_train_function(force=True)  # trace again with the weighed loss
     return model
 
@@ -161,12 +162,13 @@ class _WeighedLoss:
     also records each call's denominator in `items` (the optimizer's
     `FitItems`). Every other attribute is the compiled loss's."""
 
-    def __init__(self, compiled, model, items):
-        self.compiled, self._model, self._items = compiled, model, items
+    def __init__(self, compiled, reduction, items):
+        # `reduction`: that of the loss compiled (a later `compile` replaces
+        # this object, so it cannot change under it).
+        self.compiled, self._reduction, self._items = compiled, reduction, items
 
     def __call__(self, y_true, y_pred, sample_weight=None, *args, **kwargs):
-        # The loss as compiled now (`_reduction` reads `model.loss`).
-        self._items.record(loss_denominator(_reduction(self._model), y_pred, y_pred, sample_weight))
+        self._items.record(loss_denominator(self._reduction, y_pred, sample_weight))
         return self.compiled(y_true, y_pred, sample_weight, *args, **kwargs)
 
     def __getattr__(self, name):
