@@ -11,7 +11,7 @@ When Keras changes one of these names, this is the file to change, and
 
 import contextlib
 
-import tensorflow as tf
+from keras_accum._backend import tf
 
 # -- model.fit ------------------------------------------------------------------
 

@@ -27,9 +27,9 @@ import contextlib
 import weakref
 
 import keras
-import tensorflow as tf
 
 from keras_accum import _compat, _replicas
+from keras_accum._backend import tf
 
 
 def in_xla():

@@ -8,7 +8,8 @@ import contextlib
 import re
 
 import numpy as np
-import tensorflow as tf
+
+from keras_accum._backend import tf
 
 # A `tf.cond` branch is traced as a FuncGraph named "<scope>_true_<uid>" or
 # "<scope>_false_<uid>" (while loops give "while_body_<uid>" instead).

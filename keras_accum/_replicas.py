@@ -18,10 +18,10 @@ under `MirroredStrategy` / `MultiWorkerMirroredStrategy`:
 import contextlib
 
 import keras
-import tensorflow as tf
 from keras import initializers
 
-from keras_accum import _compat
+from keras_accum import _backend, _compat
+from keras_accum._backend import tf
 
 
 def strategy():
@@ -35,6 +35,14 @@ def count():
     if context is not None:
         return context.num_replicas_in_sync
     return strategy().num_replicas_in_sync
+
+
+def count_at_build(optimizer):
+    """Replicas of the strategy `optimizer` was created under (1 under
+    JAX and PyTorch, whose data parallelism hands it global gradients)."""
+    if not _backend.IS_TENSORFLOW:
+        return 1
+    return _compat.optimizer_strategy(optimizer).num_replicas_in_sync
 
 
 def is_first_replica():
@@ -126,6 +134,18 @@ def add_local_variable(optimizer, shape, dtype, name, reference=None):
     if reference is not None:
         prefix = getattr(reference, "path", reference.name)
         name = f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
+    if not _backend.IS_TENSORFLOW:  # one device's worth of state
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            variable = keras.Variable(
+                initializer=initializers.get("zeros"),
+                shape=shape,
+                dtype=dtype,
+                trainable=False,
+                name=name,
+            )
+        _compat.track_variable(optimizer, variable)
+        return variable
+    if reference is not None:
         colocate = _compat.optimizer_strategy(optimizer).extended.colocate_vars_with(
             getattr(reference, "value", reference)
         )

@@ -7,10 +7,14 @@ mismatch raises, and a state loaded before the optimizer is built (a model
 compiled but not trained yet) is kept and restored when it is built.
 """
 
+import contextlib
 import warnings
 
+import keras
 import numpy as np
-import tensorflow as tf
+
+from keras_accum import _backend
+from keras_accum._backend import tf
 
 
 class StateMixin:
@@ -19,7 +23,7 @@ class StateMixin:
 
     def get_weights(self):
         """Values of `variables`: the whole state, a wrapped optimizer's too."""
-        return [v.numpy() for v in self.variables]
+        return [keras.ops.convert_to_numpy(v) for v in self.variables]
 
     def set_weights(self, weights):
         """Sets every variable of `variables` (for `GradientAccumulation`
@@ -87,6 +91,7 @@ class StateMixin:
                 stacklevel=2,
             )
             return
-        with tf.init_scope():  # once, eagerly, also when built while tracing
+        eager = tf.init_scope() if _backend.IS_TENSORFLOW else contextlib.nullcontext()
+        with eager:  # once, eagerly, also when built while tracing
             for variable, value in zip(self.variables, state):
                 variable.assign(value)

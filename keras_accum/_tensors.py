@@ -5,7 +5,7 @@ tokens seen, possibly repeated. The optimizers keep a large one sparse
 (`sparse_or_dense`) and make a small one dense.
 """
 
-import tensorflow as tf
+from keras_accum._backend import tf
 
 # A sparse gradient of a variable with fewer elements than this is made
 # dense: the sparse fold's few extra ops (a scatter; in InvariantAdam a sort

@@ -3,9 +3,9 @@ variants (`InvariantAdam`, `UpdateAccumulationAdam`)."""
 
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
-from keras_accum import _compat
+from keras_accum import _compat, equations
 from keras_accum.base import AccumulationOptimizer
 from keras_accum.validation import check_float, check_rate
 
@@ -77,18 +77,13 @@ class AdamFamily(AccumulationOptimizer):
     def _adam_alpha(self, learning_rate, count, dtype):
         """alpha = lr * sqrt(1 - beta_2^count) / (1 - beta_1^count), as
         `keras.optimizers.Adam` computes it."""
-        lr = tf.cast(learning_rate, dtype)
-        count = tf.cast(count, dtype)
-        return (
-            lr
-            * tf.sqrt(1 - tf.pow(tf.cast(self.beta_2, dtype), count))
-            / (1 - tf.pow(tf.cast(self.beta_1, dtype), count))
-        )
+        return equations.adam_alpha(learning_rate, count, self.beta_1, self.beta_2, dtype)
 
     def _decay(self, variable, lr):
         if self.weight_decay is not None and _compat.uses_weight_decay(self, variable):
-            # theta = theta - lr * weight_decay * theta
-            variable.assign_sub(variable * tf.cast(self.weight_decay, variable.dtype) * lr)
+            # theta = theta - theta * weight_decay * lr (Keras's form)
+            weight_decay = ops.cast(self.weight_decay, variable.dtype)
+            variable.assign(equations.decayed(variable, weight_decay, lr))
 
     def get_config(self):
         config = super().get_config()

@@ -13,9 +13,10 @@ import math
 import warnings
 from typing import Any, NamedTuple
 
-import tensorflow as tf
 from keras import initializers, saving
 
+from keras_accum import _backend
+from keras_accum._backend import tf
 from keras_accum.schedules import PiecewiseSteps, StepsSchedule
 from keras_accum.validation import check_float, check_int
 
@@ -116,6 +117,7 @@ class AdaptiveSteps(StepsSchedule):
         warmup: PiecewiseSteps | None = None,
         powers_of_two: bool = False,
     ):
+        _backend.require_tensorflow("`AdaptiveSteps`")
         self._floor = check_int("min_steps", min_steps)
         self.max_steps = check_int("max_steps", max_steps)
         if self.max_steps < self._floor:

@@ -47,10 +47,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
-import tensorflow as tf
-from keras import optimizers
+from keras import ops, optimizers
 
-from keras_accum import _compat, _execution, _replicas, _tensors, nonfinite, schedules, weighing
+from keras_accum import (
+    _backend,
+    _compat,
+    _execution,
+    _replicas,
+    _tensors,
+    nonfinite,
+    portable,
+    schedules,
+    weighing,
+)
+from keras_accum._backend import tf
 from keras_accum._saving import StateMixin
 from keras_accum.validation import check_choice
 from keras_accum.window import WindowMixin
@@ -60,7 +70,9 @@ NONFINITE_POLICIES = tuple(nonfinite.POLICIES)
 
 # Frames of these packages are not where a user's call is.
 _LIBRARIES = tuple(
-    os.path.dirname(module.__file__) + os.sep for module in (keras, tf, sys.modules[__package__])
+    os.path.dirname(sys.modules[name].__file__) + os.sep
+    for name in ("keras", "tensorflow", "jax", "torch", __package__)
+    if name in sys.modules
 )
 
 
@@ -128,17 +140,20 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
 
     def _counter(self, name):
         counter = getattr(self, name, None)
-        return tf.constant(0, "int64") if counter is None else counter
+        return ops.convert_to_tensor(0, "int64") if counter is None else counter
 
     def pending_micro_batches(self) -> int:
         """Micro-batches (per replica) folded into the current window and
         not applied yet: 0 at a window's boundary. Eager only."""
         if not self.built:
             return 0
-        step = int(self._micro_step.numpy())
+        step = int(ops.convert_to_numpy(self._micro_step))
         if isinstance(self.steps, int):
             return step % self.steps
-        end, size = int(self._window_end.numpy()), int(self._window_size.numpy())
+        end, size = (
+            int(ops.convert_to_numpy(self._window_end)),
+            int(ops.convert_to_numpy(self._window_size)),
+        )
         return 0 if step >= end else step - (end - size)
 
     def finalize_variable_values(self, var_list):
@@ -149,14 +164,18 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
     def _warn_pending_window(self):
         """Says so when training ends inside a window, whose micro-batches
         are accumulated but not applied."""
-        if not tf.executing_eagerly() or getattr(self, "_warned_pending", False):
+        if not _backend.executing_eagerly() or getattr(self, "_warned_pending", False):
             return
         pending = self.pending_micro_batches()
         if pending:
             # Once per optimizer: `fit(epochs=1)` in a loop is a pattern the
             # README shows, and a partial window carries over to the next.
             self._warned_pending = True
-            size = self.steps if isinstance(self.steps, int) else int(self._window_size.numpy())
+            size = (
+                self.steps
+                if isinstance(self.steps, int)
+                else int(ops.convert_to_numpy(self._window_size))
+            )
             warnings.warn(
                 f"{type(self).__name__} '{self.name}': training ended inside a window: "
                 f"{pending} of its {size} micro-batches (per replica) are accumulated "
@@ -170,9 +189,9 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         """True when the last `apply` call ended a window (an update was
         applied, or dropped under a `skip_*` policy and counted)."""
         if not self.built:
-            return tf.constant(False)
-        step = self._micro_step
-        return tf.logical_and(step > 0, self._window_done(step))
+            return ops.convert_to_tensor(False)
+        step = ops.convert_to_tensor(self._micro_step)
+        return ops.logical_and(step > 0, self._window_done(step))
 
     # -- the step -----------------------------------------------------------
 
@@ -227,6 +246,10 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
+        if not _backend.IS_TENSORFLOW:
+            overwrite = [p for p in pairs if getattr(p[1], "overwrite_with_gradient", False)]
+            pairs = [p for p in pairs if not getattr(p[1], "overwrite_with_gradient", False)]
+            return self._portable_apply(pairs, overwrite, weight)
         if tf.distribute.get_replica_context() is None:
             raise ValueError(
                 f"{self.__class__.__name__}.apply() must be called in a "
@@ -249,6 +272,8 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         """The strategy in scope must be the one this optimizer (and one it
         wraps) was created under, else TensorFlow fails later, naming
         neither."""
+        if not _backend.IS_TENSORFLOW:
+            return
         strategy = tf.distribute.get_strategy()
         for optimizer in [self, *self._wrapped_optimizers()]:
             created = _compat.optimizer_strategy(optimizer)
@@ -373,6 +398,38 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
     def _screen(self, grads, mask=True):
         """`nonfinite.screen` of this optimizer (replica context)."""
         return nonfinite.screen(self, grads, mask)
+
+    # -- JAX and PyTorch (`keras_accum.portable`) -----------------------------
+
+    # True when the update is another optimizer's step (it counts updates,
+    # and applies its EMA and constraints, itself).
+    _portable_steps_inner = False
+
+    def _portable_apply(self, pairs, overwrite, weight):
+        grads = [g for g, _ in pairs]
+        if self.loss_scale_factor is not None:
+            grads = [g / self.loss_scale_factor for g in grads]
+        with keras.name_scope(self.name, caller=self):
+            portable.apply(self, grads, [v for _, v in pairs], weight, overwrite)
+
+    def _portable_fold(self, grads, variables, weight, start, ok):
+        """Folds one micro-batch in (`ok` False: a skipped one; True, a
+        Python bool, when nothing is screened)."""
+        raise NotImplementedError
+
+    def _portable_window_ok(self, boundary):
+        """Whether the window may be applied (True: always)."""
+        if self.nonfinite == "skip_window":
+            return ops.equal(ops.convert_to_tensor(self._window_bad), 0)
+        return True
+
+    def _portable_update(self, variables, keep):
+        """The window's update, each write kept where `keep` holds."""
+        raise NotImplementedError
+
+    def _ema_momentum_of_window(self):
+        """The EMA momentum of one update."""
+        return self.ema_momentum
 
     # -- subclass hooks (tensors and variables in, nothing distributed) -------
 

@@ -39,9 +39,9 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_accum import _tensors
+from keras_accum._backend import tf
 
 
 def _sq_norm_one(g):

@@ -16,9 +16,8 @@ into one kernel and, in replica context, each replica writes its own copy.
 | `UpdateAccumulationAdam` | `adam_micro_step`                        |
 """
 
-import tensorflow as tf
-
-from keras_accum import _replicas, _tensors
+from keras_accum import _replicas, _tensors, equations
+from keras_accum._backend import tf
 from keras_accum._execution import where
 
 
@@ -40,7 +39,7 @@ def window_sum(state, value, start):
     elif start is False:
         state.assign_add(value)
     else:
-        state.assign(tf.where(start, value, state + value))
+        state.assign(equations.window_sum(state, value, start))
 
 
 def _read(handle, dtype):
@@ -73,10 +72,11 @@ def fold_moments(grads, m_handles, v_handles, scalars, ok=None):
     for g, m_handle, v_handle in zip(grads, m_handles, v_handles):
         dtype = g.dtype
         m, v = _read(m_handle, dtype), _read(v_handle, dtype)
-        cast = lambda x, dtype=dtype: tf.cast(x, dtype)
-        _assign(m_handle, m * cast(keep_1) + tf.math.multiply_no_nan(g, cast(take_1)))
-        square = tf.math.multiply_no_nan(tf.square(g), cast(take_2))
-        _assign(v_handle, v * cast(keep_2) + square)
+        cast = lambda *xs, dtype=dtype: tuple(tf.cast(x, dtype) for x in xs)
+        keep, take = cast(keep_1, keep_2), cast(take_1, take_2)
+        m, v = equations.decayed_moments(m, v, g, keep, take, times=tf.math.multiply_no_nan)
+        _assign(m_handle, m)
+        _assign(v_handle, v)
 
 
 def fold_rows(grads, moments, scalars, start, ok=None):
@@ -112,10 +112,11 @@ def keras_moments(grads, moments, rate_1, rate_2, replicas, assign_add):
     `assign_add(variable, delta)`."""
     for g, (m, v) in zip(grads, moments):
         # g_j**2 / kappa = g**2 * replicas (the replica factor undone)
-        square = tf.square(g) if replicas == 1 else tf.square(g) * float(replicas)
+        square = None if replicas == 1 else tf.square(g) * float(replicas)
         b1, b2 = _cast(rate_1, m.dtype), _cast(rate_2, m.dtype)
-        assign_add(m, (g - m) * b1)
-        assign_add(v, (square - v) * b2)
+        change_m, change_v = equations.adam_moment_changes(m, v, g, b1, b2, square)
+        assign_add(m, change_m)
+        assign_add(v, change_v)
 
 
 def adam_micro_step(grads, handles, scalars, start, keep=True):
@@ -146,13 +147,13 @@ def adam_micro_step(grads, handles, scalars, start, keep=True):
             continue
         m, v = _read(m_handle, dtype), _read(v_handle, dtype)
         # m += (g - m)(1 - beta_1); v += (g**2 - v)(1 - beta_2)
-        dm, dv = (g - m) * cast(rate_1), (tf.square(g) - v) * cast(rate_2)
+        dm, dv = equations.adam_moment_changes(m, v, g, cast(rate_1), cast(rate_2))
         if factor is not None:  # a skipped micro-step moves nothing
             dm, dv = dm * factor, dv * factor
         m, v = m + dm, v + dv
         _assign(m_handle, m)
         _assign(v_handle, v)
-        step = (m * cast(alpha)) / (tf.sqrt(v) + cast(epsilon))
+        step = equations.adam_step(m, v, cast(alpha), cast(epsilon))
         if factor is not None:
             step = step * factor
         if a_handle is None:
@@ -160,7 +161,7 @@ def adam_micro_step(grads, handles, scalars, start, keep=True):
             if decay is not None:
                 # theta = theta - theta * weight_decay * lr
                 rate = cast(learning_rate) if factor is None else cast(learning_rate) * factor
-                theta = theta - theta * cast(decay) * rate
+                theta = equations.decayed(theta, cast(decay), rate)
             _assign(theta_handle, theta - step)
             continue
         # A = step at the window's start, else A + step. Written as

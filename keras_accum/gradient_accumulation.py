@@ -2,20 +2,23 @@
 
 from typing import Any
 
-import tensorflow as tf
-from keras import optimizers, saving
+from keras import ops, optimizers, saving
 
 from keras_accum import (
+    _backend,
     _compat,
     _execution,
     _replicas,
     _tensors,
     base,
+    equations,
     folds,
     nonfinite,
+    portable,
     schedules,
     weighing,
 )
+from keras_accum._backend import tf
 
 
 @saving.register_keras_serializable(package="keras_accum")
@@ -315,6 +318,60 @@ class GradientAccumulation(base.AccumulationOptimizer):
                 inner.apply([a.value / total_weight for a in accumulators], variables)
 
             _replicas.for_each_replica(apply_inner, total_weight)
+
+    # -- JAX and PyTorch (`keras_accum.portable`) ----------------------------
+
+    _portable_steps_inner = True
+
+    def _portable_fold(self, grads, variables, weight, start, ok):
+        accumulators = self._accumulators_of(variables)
+        grads = [ops.cast(g, "float32") for g in grads]
+        share = ops.convert_to_tensor(1.0 if weight is None else weight, "float32")
+        if self.nonfinite == "skip_window":
+            # A bad micro-batch adds zeros to S (kept finite) and NaN to W,
+            # which the window's end reads as "drop" (a scalar).
+            ok = portable.all_finite(grads)
+            share = ops.where(ok, share, float("nan"))
+        if ok is not True:
+            # A skipped micro-batch adds nothing (and no weight); the window's
+            # start still resets S and W.
+            grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
+            if self.nonfinite != "skip_window":
+                share = share * ops.cast(ok, "float32")
+        if weight is not None:
+            scale = ops.convert_to_tensor(weight, "float32")
+            grads = [scale * g for g in grads]
+        for a, wg in zip(accumulators, grads):
+            # S = w g at the window's start, else S + w g; W likewise with w.
+            a.assign(equations.window_sum(a, wg, start))
+        self._weight.assign(equations.window_sum(self._weight, share, start))
+
+    def _portable_window_ok(self, boundary):
+        if self.nonfinite == "skip_window":
+            return ops.isfinite(ops.convert_to_tensor(self._weight))
+        if self.nonfinite == "skip_micro_batch":
+            return self._weight > 0.0  # every micro-batch skipped: nothing to apply
+        return True
+
+    def _portable_update(self, variables, keep):
+        weight = ops.convert_to_tensor(self._weight)
+        means = [a / weight for a in self._accumulators_of(variables)]
+        if portable.is_concrete(keep):
+            if bool(keep):  # PyTorch, or JAX run eagerly
+                self.inner_optimizer.apply(means, variables)
+            return
+        pending = self.__dict__.get("_pending_inner")
+        if pending is None:
+            raise RuntimeError(
+                "GradientAccumulation in a traced JAX step must be applied "
+                "through `stateless_apply` (what `model.fit` does)."
+            )
+        pending.extend([means, keep])  # stepped in `stateless_apply`
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        if _backend.BACKEND != "jax":
+            return super().stateless_apply(optimizer_variables, grads, trainable_variables)
+        return portable.stateless_inner_step(self, optimizer_variables, grads, trainable_variables)
 
     def _finish_update(self, variables):
         pass  # the inner optimizer applies its EMA and constraints itself

@@ -4,10 +4,20 @@ import functools
 from typing import Any
 
 import keras
-import tensorflow as tf
-from keras import saving
+from keras import ops, saving
 
-from keras_accum import _compat, _execution, _replicas, _tensors, folds, scaling, schedules
+from keras_accum import (
+    _compat,
+    _execution,
+    _replicas,
+    _tensors,
+    equations,
+    folds,
+    portable,
+    scaling,
+    schedules,
+)
+from keras_accum._backend import tf
 from keras_accum.adam_family import AdamFamily
 
 
@@ -139,6 +149,7 @@ class InvariantAdam(AdamFamily):
             )
         self._build_scaling()
         self._restore_deferred_state()
+        portable.warn_data_parallel(self)
 
     def _fold(self, grads, variables, weight, start):
         # Replica context, replica-local moments: no communication.
@@ -204,7 +215,7 @@ class InvariantAdam(AdamFamily):
         learning_rate = self.learning_rate
         update_count = _compat.update_counter(self) + 1
         if self.scaling_rule is not None:
-            learning_rate, update_count = self._scaled_rate()
+            learning_rate, update_count = self._scaled_rate(_replicas.count())
         moments = [
             (self._momentums[i], self._velocities[i])
             for i in (_compat.variable_index(self, v) for v in variables)
@@ -246,12 +257,12 @@ class InvariantAdam(AdamFamily):
             alpha = tf.cast(learning_rate * update_count, variable.dtype)
         self._decay(variable, tf.cast(learning_rate, variable.dtype))
         # theta = theta - alpha_k m / (sqrt(v) + epsilon)
-        writes.assign_sub(variable, (m * alpha) / (tf.sqrt(v) + self.epsilon))
+        writes.assign_sub(variable, equations.adam_step(m, v, alpha, self.epsilon))
 
     # -- hyperparameters that follow the window size (`scaling_rule`) --------
 
     def _build_scaling(self):
-        replicas = _compat.optimizer_strategy(self).num_replicas_in_sync
+        replicas = _replicas.count_at_build(self)
         max_kappa = schedules.steps_range(self.steps)[1] * replicas
         scaling.check_scaling_rule(self.scaling_rule, self.beta_1, self.beta_2, max_kappa)
         if self.scaling_rule is None:
@@ -273,7 +284,7 @@ class InvariantAdam(AdamFamily):
         numbers with a constant `steps`, else float32 tensors."""
         steps = self.window_steps
         if not isinstance(steps, int):
-            steps = tf.cast(steps, "float32")
+            steps = ops.cast(steps, "float32")
         kappa = steps * replicas
         form_1, form_2 = scaling.BETA_FORMS[self.scaling_rule]
         return (
@@ -282,27 +293,84 @@ class InvariantAdam(AdamFamily):
             scaling.one_minus_beta(self.beta_2, kappa, form_2),
         )
 
-    def _scaled_rate(self):
-        """Cross-replica, once per window: (lr_k, sqrt(1 - P_2) / (1 - P_1))
-        after folding this window's betas into P_1, P_2."""
-        replicas = _replicas.count()
+    def _scaled_rate(self, replicas, keep=True):
+        """Once per window: (lr_k, sqrt(1 - P_2) / (1 - P_1)) after folding
+        this window's betas into P_1, P_2 (kept where `keep` holds)."""
         steps, beta_1_rate, beta_2_rate = self._window_factors(replicas)
         kappa = steps * replicas
         p_1, p_2 = self._beta_products
         # P_i = P_i * beta_i,k
-        p_1 = p_1.assign(p_1 * (1 - beta_1_rate))
-        p_2 = p_2.assign(p_2 * (1 - beta_2_rate))
-        correction = tf.sqrt(1 - p_2) / (1 - p_1)
+        new_1, new_2 = p_1 * (1 - beta_1_rate), p_2 * (1 - beta_2_rate)
+        p_1.assign(portable.masked(keep, new_1, p_1))
+        p_2.assign(portable.masked(keep, new_2, p_2))
+        correction = ops.sqrt(1 - new_2) / (1 - new_1)
         schedule = _compat.learning_rate_schedule(self)
         if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
             # A schedule written for kappa = 1 sees the micro-batches consumed
             # over all replicas before this window.
-            before = (self._micro_step - tf.cast(self.window_steps, "int64")) * replicas
+            window = ops.cast(self.window_steps, "int64")
+            before = (ops.convert_to_tensor(self._micro_step) - window) * replicas
             learning_rate = schedule(before)
         else:
             learning_rate = self.learning_rate
         # lr_k = kappa_k * lr
-        return tf.cast(learning_rate, "float32") * kappa, correction
+        return ops.cast(learning_rate, "float32") * kappa, correction
+
+    def _ema_momentum_of_window(self):
+        if self.scaling_rule is None:
+            return self.ema_momentum
+        steps = self.window_steps  # kappa_k = steps (one replica)
+        if isinstance(steps, int):
+            return self.ema_momentum**steps
+        return ops.power(
+            ops.convert_to_tensor(self.ema_momentum, "float32"), ops.cast(steps, "float32")
+        )
+
+    # -- JAX and PyTorch (`keras_accum.portable`) ----------------------------
+
+    def _portable_fold(self, grads, variables, weight, start, ok):
+        moments = [
+            (self._momentums[i], self._velocities[i])
+            for i in (_compat.variable_index(self, v) for v in variables)
+        ]
+        grads = [ops.cast(g, m.dtype) for g, (m, _) in zip(grads, moments)]
+        if ok is not True:  # a skipped micro-batch counts as a zero gradient
+            grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
+        grads = self._clip_micro_batch(grads, 1)
+        steps, rate_1, rate_2 = self._window_factors(1)
+        if self._single_step():  # Keras Adam's form and rounding
+            for g, (m, v) in zip(grads, moments):
+                m_new, v_new = equations.adam_moments(m, v, g, rate_1, rate_2)
+                m.assign(m_new)
+                v.assign(v_new)
+            return
+        first = ops.cast(start, "float32")
+        keep = (1.0 - first * rate_1, 1.0 - first * rate_2)
+        take = (rate_1 / steps, rate_2 * (1.0 / steps))
+        for g, (m, v) in zip(grads, moments):
+            cast = lambda pair, dtype=m.dtype: tuple(ops.cast(x, dtype) for x in pair)
+            m_new, v_new = equations.decayed_moments(m, v, g, cast(keep), cast(take))
+            m.assign(m_new)
+            v.assign(v_new)
+
+    def _portable_update(self, variables, keep):
+        learning_rate = self.learning_rate
+        update_count = self.iterations + 1
+        if self.scaling_rule is not None:
+            learning_rate, update_count = self._scaled_rate(1, keep)
+        for var in variables:
+            index = _compat.variable_index(self, var)
+            m, v = self._momentums[index], self._velocities[index]
+            if self.scaling_rule is None:
+                alpha = self._adam_alpha(learning_rate, update_count, var.dtype)
+            else:  # `update_count` is the bias correction
+                alpha = ops.cast(learning_rate * update_count, var.dtype)
+            theta = ops.convert_to_tensor(var)
+            if self.weight_decay is not None and _compat.uses_weight_decay(self, var):
+                rate = ops.cast(learning_rate, var.dtype)
+                theta = equations.decayed(theta, ops.cast(self.weight_decay, var.dtype), rate)
+            step = equations.adam_step(m, v, alpha, self.epsilon)
+            var.assign(portable.masked(keep, theta - step, var))
 
     def _update_ema(self, trainable_variables):
         """Keras's EMA of the weights; with a `scaling_rule`, window k uses

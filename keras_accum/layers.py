@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
 from keras import ops
 
-from keras_accum import _compat, _replicas, base
+from keras_accum import _backend, _compat, _replicas, base
+from keras_accum._backend import tf
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -104,6 +104,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
+        _backend.require_tensorflow("`keras_accum.layers.BatchNormalization`")
         super().__init__(*args, **kwargs)
         # `attach`'s optimizer (a function returning it), or None: the
         # optimizer of the model being called.

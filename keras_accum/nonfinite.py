@@ -20,9 +20,8 @@ refuses "skip_window".
 import contextlib
 import re
 
-import tensorflow as tf
-
 from keras_accum import _tensors
+from keras_accum._backend import tf
 from keras_accum._execution import in_xla
 
 # How `nonfinite="raise"` words its error (see `explained`).

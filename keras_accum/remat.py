@@ -64,9 +64,9 @@ import inspect
 import math
 
 import keras
-import tensorflow as tf
 
-from keras_accum import _compat
+from keras_accum import _backend, _compat
+from keras_accum._backend import tf
 from keras_accum.validation import check_choice
 
 MODES = ("none", "full", "larger_than")
@@ -177,6 +177,7 @@ def rematerialize(model: keras.Model, mode: str, output_size_threshold: int = 10
         name and the shapes of its inputs and outputs, compiled like `model`
         if it is compiled.
     """
+    _backend.require_tensorflow("`rematerialize`")
     check_mode(mode)
     if not _is_graph_model(model):
         raise ValueError(

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
 from keras_accum.validation import check_choice, check_float
 
@@ -164,8 +164,8 @@ def one_minus_beta(beta: float, kappa: Any, form: Any) -> Any:
         return 1 - beta
     if isinstance(kappa, (int, float)):
         return kappa * (1 - beta) if form == "linear" else 1 - beta**kappa
-    kappa = tf.cast(kappa, tf.float32)
+    kappa = ops.cast(kappa, "float32")
     if form == "linear":
         return kappa * (1 - beta)
     # 1 - beta ** kappa = -expm1(kappa log beta), accurate when beta ~ 1.
-    return -tf.math.expm1(kappa * tf.cast(math.log(beta), tf.float32)) if beta > 0 else 1.0
+    return -ops.expm1(kappa * ops.cast(math.log(beta), "float32")) if beta > 0 else 1.0

@@ -27,8 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
-from keras import saving
+from keras import ops, saving
 
 from keras_accum.validation import check_int, is_integer
 
@@ -45,7 +44,7 @@ class StepsSchedule:
     min_steps: int
     max_steps: int
 
-    def __call__(self, micro_step: Any) -> tf.Tensor:
+    def __call__(self, micro_step: Any) -> Any:
         raise NotImplementedError
 
     def build(self, optimizer: Any) -> None:
@@ -99,13 +98,14 @@ class PiecewiseSteps(StepsSchedule):
         self.min_steps, self.max_steps = min(self.values), max(self.values)
 
     def __call__(self, micro_step):
-        step = tf.cast(micro_step, tf.int64)
-        values = tf.constant(self.values, tf.int64)
+        step = ops.cast(micro_step, "int64")
+        values = ops.convert_to_tensor(self.values, "int64")
         if not self.boundaries:
             return values[0]
         # i = number of boundaries <= s
-        index = tf.reduce_sum(tf.cast(tf.constant(self.boundaries, tf.int64) <= step, tf.int64))
-        return tf.gather(values, index)
+        boundaries = ops.convert_to_tensor(self.boundaries, "int64")
+        index = ops.sum(ops.cast(ops.less_equal(boundaries, step), "int64"))
+        return ops.take(values, index)
 
     def get_config(self):
         return {"boundaries": list(self.boundaries), "values": list(self.values)}

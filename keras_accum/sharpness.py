@@ -29,8 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import tensorflow as tf
-
+from keras_accum._backend import tf
 from keras_accum.scaling import scale_hyperparameters
 from keras_accum.update_accumulation_adam import UpdateAccumulationAdam
 from keras_accum.validation import check_float

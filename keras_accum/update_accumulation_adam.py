@@ -2,10 +2,19 @@
 
 from typing import Any
 
-import tensorflow as tf
-from keras import saving
+from keras import ops, saving
 
-from keras_accum import _compat, _execution, _replicas, _tensors, folds, schedules
+from keras_accum import (
+    _compat,
+    _execution,
+    _replicas,
+    _tensors,
+    equations,
+    folds,
+    portable,
+    schedules,
+)
+from keras_accum._backend import tf
 from keras_accum.adam_family import AdamFamily
 
 
@@ -187,3 +196,52 @@ class UpdateAccumulationAdam(AdamFamily):
                 writes.assign_sub(variable, update)
 
             _replicas.update_each([var], apply_update, update.value)
+
+    # -- JAX and PyTorch (`keras_accum.portable`) ----------------------------
+
+    def _portable_fold(self, grads, variables, weight, start, ok):
+        grads = [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
+        if ok is not True:  # a skipped micro-step moves nothing
+            grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
+        grads = self._clip_micro_batch(grads, 1)
+        # t = micro-steps folded into the moments so far (a skip adds none)
+        t = ops.convert_to_tensor(self._moment_steps) + portable.flag(ok, "int64")
+        self._moment_steps.assign(t)
+        count = ops.maximum(t, 1)
+        learning_rate = self.learning_rate
+        rate_1, rate_2 = 1 - self.beta_1, 1 - self.beta_2
+        for g, var in zip(grads, variables):
+            index = _compat.variable_index(self, var)
+            m, v = self._momentums[index], self._velocities[index]
+            # In the variable's dtype without a buffer (Keras Adam), else float32.
+            dtype = var.dtype if self._updates is None else "float32"
+            alpha = equations.adam_alpha(learning_rate, count, self.beta_1, self.beta_2, dtype)
+            m_new, v_new = equations.adam_moments(m, v, g, rate_1, rate_2)
+            m_new, v_new = portable.masked(ok, m_new, m), portable.masked(ok, v_new, v)
+            m.assign(m_new)
+            v.assign(v_new)
+            step = equations.adam_step(m_new, v_new, ops.cast(alpha, var.dtype), self.epsilon)
+            if self._updates is not None:
+                # A = step at the window's start, else A + step.
+                update = self._updates[index]
+                kept = portable.masked(ok, step, ops.zeros_like(step))
+                update.assign(portable.masked(start, ops.zeros_like(step), update) + kept)
+                continue
+            theta = ops.convert_to_tensor(var)
+            if self.weight_decay is not None and _compat.uses_weight_decay(self, var):
+                rate = ops.cast(learning_rate, var.dtype)
+                theta = equations.decayed(theta, ops.cast(self.weight_decay, var.dtype), rate)
+            var.assign(portable.masked(ok, theta - step, var))
+
+    def _portable_update(self, variables, keep):
+        if self._updates is None:  # steps == 1: applied in the micro-step
+            return
+        learning_rate = self.learning_rate
+        for var in variables:
+            update = self._updates[_compat.variable_index(self, var)]
+            theta = ops.convert_to_tensor(var)
+            if self.weight_decay is not None and _compat.uses_weight_decay(self, var):
+                rate = ops.cast(learning_rate, var.dtype)
+                theta = equations.decayed(theta, ops.cast(self.weight_decay, var.dtype), rate)
+            # theta = theta - A
+            var.assign(portable.masked(keep, theta - ops.cast(update, var.dtype), var))

@@ -20,9 +20,9 @@ nothing passes outside a variable (Keras's `LossScaleOptimizer` calls
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_accum import _compat
+from keras_accum import _backend, _compat
+from keras_accum._backend import tf
 from keras_accum.validation import check_float
 
 
@@ -127,6 +127,7 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     Keras optimizer (one update per batch, whose mean is already exact)
     it changes nothing. Returns `model`.
     """
+    _backend.require_tensorflow("`weigh_micro_batches`")
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a `keras.Model`. Received: model={model!r}")
     if not getattr(model, "compiled", False):

@@ -13,7 +13,7 @@ the `apply` call that ends each window (what
 import inspect
 import weakref
 
-import tensorflow as tf
+from keras import ops
 
 from keras_accum.schedules import StepsSchedule
 
@@ -52,13 +52,14 @@ class WindowMixin:
     def _start_window(self):
         """Cross-replica: True at a window's first micro-batch. A schedule is
         read there, and its value holds until the window ends."""
-        step = tf.convert_to_tensor(self._micro_step)
+        step = ops.convert_to_tensor(self._micro_step)
         if not isinstance(self.steps, StepsSchedule):
-            return tf.equal(step % self.steps, 0)
-        start = step >= self._window_end
-        size = tf.where(start, self.steps(step), self._window_size)
+            return step % self.steps == 0
+        end = ops.convert_to_tensor(self._window_end)
+        start = step >= end
+        size = ops.where(start, self.steps(step), ops.convert_to_tensor(self._window_size))
         self._window_size.assign(size)
-        self._window_end.assign(tf.where(start, step + size, self._window_end))
+        self._window_end.assign(ops.where(start, step + size, end))
         return start
 
     def on_window_end(self, callback):
@@ -95,5 +96,5 @@ class WindowMixin:
     def _window_done(self, micro_step):
         """True when `micro_step` micro-batches complete the current window."""
         if not isinstance(self.steps, StepsSchedule):
-            return tf.equal(micro_step % self.steps, 0)
-        return tf.equal(micro_step, self._window_end)
+            return micro_step % self.steps == 0
+        return ops.equal(micro_step, self._window_end)

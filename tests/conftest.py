@@ -10,13 +10,16 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import tensorflow as tf  # noqa: E402
+if os.environ["KERAS_BACKEND"] == "tensorflow":
+    import tensorflow as tf
 
-_cpus = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(
-    _cpus[0],
-    [tf.config.LogicalDeviceConfiguration()] * 2,
-)
+    _cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        _cpus[0],
+        [tf.config.LogicalDeviceConfiguration()] * 2,
+    )
+# Under JAX or PyTorch (`.ci/backends`) only tests/backends runs: it imports
+# no TensorFlow.
 
 
 @functools.cache

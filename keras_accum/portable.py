@@ -1,0 +1,199 @@
+"""The route of one `apply` under JAX and PyTorch: `keras.ops`, no branch.
+
+TensorFlow's route (`keras_accum.base`) enters cross-replica context and
+decides the window's end with a `cond`. Here there is one device's worth
+of state (JAX's `DataParallel` hands the optimizer the global gradient) and
+the window's end is a 0/1 mask: every write of the update is
+`where(keep, new, old)`, so that JAX's `stateless_apply` (a
+`StatelessScope` around `apply`, traced once by `jit`) sees straight-line
+code. Under PyTorch the same code runs eagerly.
+
+`GradientAccumulation` is the exception: its update is another optimizer's
+step, too costly to compute on every micro-batch and throw away. Under
+JAX it runs in a `lax.cond` (`ops.cond`) of the values `stateless_apply`
+returns, as Keras's `LossScaleOptimizer` does; under PyTorch in an eager
+`if`.
+
+What TensorFlow alone offers (`tf.distribute`, sparse `IndexedSlices`
+gradients, XLA's resource kernels, `weigh_micro_batches`, `AdaptiveSteps`,
+the batch-norm layer, `rematerialize`, the custom loop) is refused here in
+one line naming the backend.
+"""
+
+import warnings
+
+import keras
+from keras import ops
+
+from keras_accum import _backend, _compat
+
+
+def masked(keep, new, old):
+    """`new` where `keep` holds, else `old`; `new` when `keep` is True."""
+    if keep is True:
+        return new
+    return ops.where(keep, ops.convert_to_tensor(new), ops.convert_to_tensor(old))
+
+
+def flag(condition, dtype):
+    """A boolean scalar (or Python bool) as 0/1 of `dtype`."""
+    if isinstance(condition, bool):
+        return int(condition)
+    return ops.cast(condition, dtype)
+
+
+def all_finite(grads):
+    """True when no gradient holds a NaN or an Inf."""
+    checks = [ops.all(ops.isfinite(g)) for g in grads]
+    result = checks[0]
+    for check in checks[1:]:
+        result = ops.logical_and(result, check)
+    return result
+
+
+def is_concrete(value):
+    """True when `value` can be read in Python (not a traced JAX value)."""
+    if isinstance(value, bool):
+        return True
+    try:
+        bool(value)
+    except Exception:  # a JAX tracer refuses `bool`
+        return False
+    return True
+
+
+def apply(optimizer, grads, variables, weight, overwrite):
+    """One micro-batch: screen, fold, count, and at a window's end update
+    (the portable form of `AccumulationOptimizer._merge_apply`)."""
+    if optimizer.nonfinite == "raise" and _backend.BACKEND == "jax":
+        raise ValueError(
+            f"{type(optimizer).__name__}: nonfinite='raise' cannot stop a compiled "
+            "JAX step; use 'skip_micro_batch', 'skip_window' or None. "
+            "Received: nonfinite='raise'"
+        )
+    grads = [ops.convert_to_tensor(g) for g in grads]
+    start = optimizer._start_window()
+    ok = True
+    screens = optimizer.nonfinite in ("skip_micro_batch", "raise") or (
+        optimizer.nonfinite == "skip_window" and not optimizer._checks_window_sums
+    )
+    if screens:
+        ok = all_finite(grads)
+        if optimizer.nonfinite == "raise":
+            if not bool(ok):
+                raise FloatingPointError(
+                    f"{type(optimizer).__name__} '{optimizer.name}': non-finite gradient "
+                    "(nonfinite='raise')"
+                )
+            ok = True
+        else:
+            bad = 1 - flag(ok, "int64")
+            optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + bad)
+            window_bad = masked(start, ops.zeros((), "int64"), optimizer._window_bad)
+            optimizer._window_bad.assign(window_bad + bad)
+    optimizer._portable_fold(grads, variables, weight, start, ok)
+    micro_step = ops.convert_to_tensor(optimizer._micro_step) + 1
+    optimizer._micro_step.assign(micro_step)
+    boundary = True if optimizer.steps == 1 else optimizer._window_done(micro_step)
+    for grad, variable in overwrite:  # float8 scales: the last gradient
+        variable.assign(masked(boundary, ops.cast(grad, variable.dtype), variable))
+    end_window(optimizer, variables, boundary)
+
+
+def end_window(optimizer, variables, boundary):
+    """The window's update where `boundary` holds and the window may be
+    applied; the drop counted where it may not."""
+    window_ok = optimizer._portable_window_ok(boundary)
+    keep = boundary if window_ok is True else ops.logical_and(boundary, window_ok)
+    if window_ok is not True:
+        dropped = ops.logical_and(boundary, ops.logical_not(window_ok))
+        optimizer._skipped_updates.assign(optimizer._skipped_updates + flag(dropped, "int64"))
+    optimizer._portable_update(variables, keep)
+    if optimizer._portable_steps_inner:
+        return  # the inner optimizer counted, averaged and constrained
+    if optimizer.use_ema:
+        update_ema(optimizer, keep)
+    for variable in variables:
+        if variable.constraint is not None:
+            variable.assign(masked(keep, variable.constraint(variable), variable))
+    counter = _compat.update_counter(optimizer)
+    counter.assign(counter + flag(keep, counter.dtype))
+
+
+def update_ema(optimizer, keep):
+    """Keras's EMA step of the weights after an update (momentum
+    `optimizer._ema_momentum_of_window()`), and its periodic overwrite."""
+    trained = _compat.trainable_variables(optimizer)
+    momentum_of_window = optimizer._ema_momentum_of_window()
+    first = ops.equal(ops.convert_to_tensor(optimizer.iterations), 0)
+    for var, average in zip(trained, _compat.ema_averages(optimizer)):
+        if average is None:
+            continue
+        # The first update copies the weights (momentum 0), as in Keras.
+        momentum = ops.cast(ops.logical_not(first), var.dtype) * ops.cast(
+            momentum_of_window, var.dtype
+        )
+        new = momentum * average + (1 - momentum) * var
+        average.assign(masked(keep, new, average))
+    frequency = optimizer.ema_overwrite_frequency
+    if frequency:
+        due = ops.equal((optimizer.iterations + 1) % frequency, 0)
+        due = due if keep is True else ops.logical_and(keep, due)
+        for var, average in zip(trained, _compat.ema_averages(optimizer)):
+            if average is not None:
+                var.assign(ops.where(due, average, var))
+
+
+def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variables):
+    """`GradientAccumulation.stateless_apply` under JAX: the fold in a
+    `StatelessScope`, then the inner optimizer's stateless step in a
+    `lax.cond` whose other branch hands the values back unchanged."""
+    own = _compat.own_variables(optimizer)
+    inner = optimizer.inner_optimizer
+    mapping = list(zip(_compat.trainable_variables(optimizer), trainable_variables))
+    mapping += list(zip(optimizer.variables, optimizer_variables))
+    pending = []  # (means, keep), from `_portable_update`
+    optimizer.__dict__["_pending_inner"] = pending  # not a tracked attribute
+    try:
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            optimizer.apply(grads)
+    finally:
+        del optimizer.__dict__["_pending_inner"]
+    if pending:
+        means, keep = pending
+    else:  # the window's end was decided in Python (a concrete value)
+        trained = _compat.trainable_variables(optimizer)
+        return (
+            [scope.get_current_value(v) for v in trained],
+            [scope.get_current_value(v) for v in optimizer.variables],
+        )
+    own_values = [scope.get_current_value(v) for v in own]
+    inner_values = list(optimizer_variables[len(own) :])
+    trainable_variables = list(trainable_variables)
+
+    def step():
+        return inner.stateless_apply(inner_values, means, trainable_variables)
+
+    def hold():
+        return trainable_variables, inner_values
+
+    new_trainable, new_inner = ops.cond(keep, step, hold)
+    return list(new_trainable), own_values + list(new_inner)
+
+
+def warn_data_parallel(optimizer):
+    """Under `keras.distribution` on several devices the optimizer sees the
+    gradient averaged over them: `InvariantAdam` then squares one gradient
+    per step, so kappa = steps, not steps x devices as under
+    `tf.distribute` (where each replica's gradient is a micro-batch)."""
+    if _backend.IS_TENSORFLOW:
+        return
+    distribution = keras.distribution.distribution()
+    devices = len(getattr(distribution, "device_mesh", None).devices.flat) if distribution else 1
+    if devices > 1:
+        warnings.warn(
+            f"{type(optimizer).__name__} under keras.distribution on {devices} devices: "
+            "each step's gradient arrives averaged over them, so kappa = steps (one "
+            "micro-batch per step), not steps x devices as under tf.distribute.",
+            stacklevel=3,
+        )

@@ -1,0 +1,307 @@
+"""The three optimizers on whichever backend Keras runs: numpy references,
+`fit` against the big batch, Keras's Adam at `steps=1`, saving mid-window,
+the non-finite policies and the refusals.
+
+Backend-free (keras.ops and numpy): `pytest tests/backends` runs them under
+TensorFlow with the rest of the suite; `.ci/backends` runs them again under
+`KERAS_BACKEND=jax` and `KERAS_BACKEND=torch`, each in its own process.
+"""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+import references as ref
+
+import keras_accum as ka
+
+BACKEND = keras.backend.backend()
+# Keras's PyTorch Adam runs fused `torch._foreach_*` kernels, which round
+# otherwise than the `keras.ops` form that Keras's TensorFlow and JAX Adam
+# (and these optimizers, everywhere) compute: equal to rounding there.
+ADAM_EXACT = BACKEND != "torch"
+
+
+def variables(seed=0, shapes=((3, 2), (2,))):
+    rng = np.random.default_rng(seed)
+    return [keras.Variable(rng.normal(size=s).astype("float32")) for s in shapes]
+
+
+def gradient_stream(count, seed=1, shapes=((3, 2), (2,)), bad=()):
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        grads = [rng.normal(size=s).astype("float32") for s in shapes]
+        if i in bad:
+            grads[0][0, 0] = np.nan
+        yield grads
+
+
+def run(optimizer, reference, count, bad=(), weights=None):
+    params = variables()
+    expected = [p.numpy().astype("float64") for p in params]
+    for i, grads in enumerate(gradient_stream(count, bad=bad)):
+        weight = None if weights is None else weights[i]
+        if weight is None:
+            optimizer.apply([keras.ops.convert_to_tensor(g) for g in grads], params)
+            expected = reference.apply(expected, [g.astype("float64") for g in grads])
+        else:
+            optimizer.apply([keras.ops.convert_to_tensor(g) for g in grads], params, weight=weight)
+            expected = reference.apply(expected, [g.astype("float64") for g in grads], weight)
+    return [keras.ops.convert_to_numpy(p) for p in params], expected
+
+
+def assert_close(actual, expected, rtol=1e-5, atol=1e-6):
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+
+
+# -- numpy references -------------------------------------------------------------
+
+CASES = {
+    "ga_sgd_3": lambda: (
+        ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=3),
+        ref.GradientAccumulation(ref.SGD(0.1), 3),
+    ),
+    "ga_adam_2": lambda: (
+        ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2),
+        ref.GradientAccumulation(ref.Adam(0.01), 2),
+    ),
+    "ga_adamw_clip": lambda: (
+        ka.GradientAccumulation(
+            keras.optimizers.AdamW(0.01, weight_decay=0.1, global_clipnorm=0.5), steps=3
+        ),
+        ref.GradientAccumulation(ref.Adam(0.01, weight_decay=0.1, global_clipnorm=0.5), 3),
+    ),
+    "ua_1": lambda: (ka.UpdateAccumulationAdam(0.01, steps=1), ref.UpdateAccumulationAdam(0.01, 1)),
+    "ua_3": lambda: (ka.UpdateAccumulationAdam(0.01, steps=3), ref.UpdateAccumulationAdam(0.01, 3)),
+    "ua_3_decay_clip": lambda: (
+        ka.UpdateAccumulationAdam(0.01, steps=3, weight_decay=0.1, clipnorm=0.5),
+        ref.UpdateAccumulationAdam(0.01, 3, weight_decay=0.1, clipnorm=0.5),
+    ),
+    "ia_1": lambda: (ka.InvariantAdam(0.01, steps=1), ref.InvariantAdam(0.01, 1)),
+    "ia_4": lambda: (ka.InvariantAdam(0.01, steps=4), ref.InvariantAdam(0.01, 4)),
+    "ia_4_decay_clip": lambda: (
+        ka.InvariantAdam(0.01, steps=4, weight_decay=0.1, clipvalue=0.3),
+        ref.InvariantAdam(0.01, 4, weight_decay=0.1, clipvalue=0.3),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_numpy_reference(name):
+    optimizer, reference = CASES[name]()
+    actual, expected = run(optimizer, reference, 12)
+    assert_close(actual, expected)
+    steps = optimizer.steps
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 12 // steps
+    assert int(keras.ops.convert_to_numpy(optimizer.micro_step)) == 12
+
+
+@pytest.mark.parametrize("name", ["ga_sgd_3", "ua_3", "ia_4"])
+def test_skip_micro_batch(name):
+    optimizer, reference = CASES[name]()
+    optimizer.nonfinite = "skip_micro_batch"  # GradientAccumulation's default: skip_window
+    actual, expected = run(optimizer, reference, 12, bad=(1, 5))
+    assert all(np.all(np.isfinite(a)) for a in actual)
+    assert_close(actual, expected)
+    assert int(keras.ops.convert_to_numpy(optimizer.skipped_micro_batches)) == 2
+
+
+def test_weighted_windows():
+    optimizer = ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=3)
+    reference = ref.GradientAccumulation(ref.SGD(0.1), 3)
+    weights = [3.0, 1.0, 7.0, 2.0, 2.0, 5.0]
+    actual, expected = run(optimizer, reference, 6, weights=weights)
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("optimizer", ["ga", "ua"])
+def test_skip_window_drops_the_window(optimizer):
+    if optimizer == "ga":
+        opt = ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=3, nonfinite="skip_window")
+    else:
+        opt = ka.UpdateAccumulationAdam(0.01, steps=3, nonfinite="skip_window")
+    params = variables()
+    before = [keras.ops.convert_to_numpy(p) for p in params]
+    for grads in gradient_stream(3, bad=(1,)):
+        opt.apply([keras.ops.convert_to_tensor(g) for g in grads], params)
+    for b, p in zip(before, params):
+        np.testing.assert_array_equal(b, keras.ops.convert_to_numpy(p))
+    assert int(keras.ops.convert_to_numpy(opt.skipped_updates)) == 1
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 0
+    for grads in gradient_stream(3, seed=4):  # the next window applies
+        opt.apply([keras.ops.convert_to_tensor(g) for g in grads], params)
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 1
+    assert all(np.all(np.isfinite(keras.ops.convert_to_numpy(p))) for p in params)
+
+
+@pytest.mark.parametrize("rule", ["invariant", "power", "fixed_beta_1"])
+def test_schedule_with_scaling_rule(rule):
+    """PiecewiseSteps 1 -> 3: window k of kappa_k micro-batches with lr and
+    betas rescaled (`references.scheduled_invariant_adam`), EMA included."""
+    steps = ka.PiecewiseSteps([2], [1, 3])
+    opt = ka.InvariantAdam(
+        0.01, steps=steps, scaling_rule=rule, use_ema=True, ema_momentum=0.9, weight_decay=0.1
+    )
+    (theta,) = variables(shapes=((4,),))
+    start = keras.ops.convert_to_numpy(theta).astype("float64")
+    grads = list(gradient_stream(8, shapes=((4,),)))
+    for (g,) in grads:
+        opt.apply([keras.ops.convert_to_tensor(g)], [theta])
+    windows = [np.stack([grads[0][0]]), np.stack([grads[1][0]])]
+    windows += [np.stack([g for (g,) in grads[2:5]]), np.stack([g for (g,) in grads[5:8]])]
+    expected, average = ref.scheduled_invariant_adam(
+        start, windows, 0.01, 0.9, 0.999, rule=rule, weight_decay=0.1, ema=0.9
+    )
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(theta), expected, rtol=1e-5, atol=1e-6)
+    (ema,) = [a for a in opt._model_variables_moving_average if a is not None]
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(ema), average, rtol=1e-5, atol=1e-6)
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 4
+
+
+def test_partial_window_pending():
+    opt = ka.UpdateAccumulationAdam(0.01, steps=4)
+    params = variables()
+    for grads in gradient_stream(6):
+        opt.apply([keras.ops.convert_to_tensor(g) for g in grads], params)
+    assert opt.pending_micro_batches() == 2
+    assert bool(keras.ops.convert_to_numpy(opt.has_updated())) is False
+
+
+# -- model.fit --------------------------------------------------------------------
+
+
+def data(count=32):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(count, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    return x, y
+
+
+def model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+    )
+
+
+def fitted(optimizer, batch_size, epochs=2):
+    x, y = data()
+    net = model()
+    net.compile(optimizer=optimizer, loss="mse")
+    net.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return net
+
+
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_fit_equals_big_batch(inner):
+    make = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
+    accumulated = fitted(ka.GradientAccumulation(make[inner](), steps=4), 8)
+    big = fitted(make[inner](), 32)
+    assert_close(accumulated.get_weights(), big.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [ka.UpdateAccumulationAdam, ka.InvariantAdam])
+def test_steps_1_is_keras_adam(cls):
+    ours = fitted(cls(0.01, steps=1, weight_decay=0.01), 8)
+    keras_adam = fitted(keras.optimizers.Adam(0.01, weight_decay=0.01), 8)
+    for a, b in zip(ours.get_weights(), keras_adam.get_weights()):
+        if ADAM_EXACT:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_fit_counts_updates():
+    optimizer = ka.InvariantAdam(0.01, steps=4)
+    fitted(optimizer, 8)  # 2 epochs x 4 micro-batches
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 2
+    assert int(keras.ops.convert_to_numpy(optimizer.micro_step)) == 8
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4),
+        lambda: ka.UpdateAccumulationAdam(0.01, steps=4),
+        lambda: ka.InvariantAdam(0.01, steps=ka.PiecewiseSteps([4], [4, 2]), scaling_rule="power"),
+    ],
+    ids=["ga", "ua", "ia_schedule"],
+)
+def test_save_mid_window_resumes(make, tmp_path):
+    """Saved inside a window and loaded, training goes on as if never
+    stopped (`.keras` file, the optimizer state with it)."""
+    x, y = data()
+    whole = model()
+    whole.compile(optimizer=make(), loss="mse")
+    whole.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)  # 12 micro-batches
+
+    first = model()
+    first.compile(optimizer=make(), loss="mse")
+    first.fit(x[:16], y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)  # 2, mid-window
+    path = str(tmp_path / "mid.keras")
+    first.save(path)
+    resumed = keras.saving.load_model(path)
+    assert resumed.optimizer.pending_micro_batches() == 2
+    resumed.fit(x[16:], y[16:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    resumed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert_close(resumed.get_weights(), whole.get_weights(), rtol=1e-6, atol=1e-7)
+    assert int(keras.ops.convert_to_numpy(resumed.optimizer.iterations)) == int(
+        keras.ops.convert_to_numpy(whole.optimizer.iterations)
+    )
+
+
+# -- what each backend refuses --------------------------------------------------------
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow runs these")
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ka.weigh_micro_batches(model()),
+        lambda: ka.rematerialize(model(), "full"),
+        lambda: ka.layers.BatchNormalization(),
+        lambda: ka.AdaptiveSteps(1, 4, 16),
+    ],
+    ids=["weigh_micro_batches", "rematerialize", "batch_norm", "adaptive_steps"],
+)
+def test_tensorflow_only_features_say_so(call):
+    with pytest.raises(RuntimeError, match=f"TensorFlow backend.*{BACKEND}"):
+        call()
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a compiled JAX step cannot raise")
+def test_raise_policy_refused_under_jax():
+    opt = ka.InvariantAdam(0.01, steps=2, nonfinite="raise")
+    params = variables()
+    with pytest.raises(ValueError, match="nonfinite='raise'"):
+        opt.apply([keras.ops.ones(p.shape) for p in params], params)
+
+
+def test_no_tensorflow_imported():
+    """Training with the three optimizers, a schedule and the scaling rules
+    imports no TensorFlow under JAX or PyTorch (run in a fresh process)."""
+    if BACKEND == "tensorflow":
+        pytest.skip("TensorFlow is the backend")
+    import subprocess
+
+    script = """
+import sys, numpy as np, keras, keras_accum as ka
+x = np.ones((16, 3), "float32"); y = np.ones((16, 1), "float32")
+for opt in [ka.GradientAccumulation(keras.optimizers.Adam(), steps=2),
+            ka.UpdateAccumulationAdam(steps=2),
+            ka.InvariantAdam(**ka.scale_hyperparameters(2, "power", 1e-3, 0.9, 0.999)),
+            ka.InvariantAdam(1e-3, steps=ka.PiecewiseSteps([2], [1, 2]), scaling_rule="invariant")]:
+    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    m.compile(optimizer=opt, loss="mse")
+    m.fit(x, y, batch_size=4, verbose=0)
+print(sorted(n for n in sys.modules if n.split(".")[0] == "tensorflow"))
+"""
+    env = dict(os.environ, KERAS_BACKEND=BACKEND)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
