@@ -87,20 +87,24 @@ class BatchNormalization(keras.layers.BatchNormalization):
     calls into its window.
 
     Example:
+        The moving statistics move once per window of 4 micro-batches, to
+        those of its 16 items:
 
-    ```python
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 3, use_bias=False),
-        keras_accum.layers.BatchNormalization(),
-        keras.layers.ReLU(),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(10),
-    ])
-    model.compile(optimizer=keras_accum.GradientAccumulation(
-        keras.optimizers.Adam(1e-3), steps=8), loss=...)
-    model.fit(x, y, batch_size=16)  # moving statistics of 128 items, per update
-    ```
+        >>> import numpy as np, keras, keras_accum
+        >>> model = keras.Sequential([
+        ...     keras.Input((3,)),
+        ...     keras_accum.layers.BatchNormalization(),
+        ...     keras.layers.Dense(1),
+        ... ])
+        >>> model.compile(
+        ...     optimizer=keras_accum.GradientAccumulation(keras.optimizers.SGD(0.0), steps=4),
+        ...     loss="mse",
+        ... )
+        >>> x = np.arange(48, dtype="float32").reshape(16, 3)
+        >>> _ = model.fit(x, np.zeros((16, 1)), batch_size=4, shuffle=False, verbose=0)
+        >>> moving_mean = model.layers[0].moving_mean.numpy()
+        >>> np.allclose(moving_mean, 0.01 * x.mean(axis=0))  # momentum 0.99, one update
+        True
     """
 
     def __init__(self, *args: Any, **kwargs: Any):

@@ -3,7 +3,7 @@
 Adam with a frozen preconditioner P = diag(sqrt(v_hat) + epsilon) is stable
 on a quadratic while the preconditioned sharpness S = lambda_max(P^-1 H) (H
 the loss's Hessian) stays below (Cohen et al. 2022, "adaptive edge of
-stability", arXiv:2207.14484)
+stability", arXiv:2207.14484)::
 
     threshold = (2 + 2 beta_1) / (lr (1 - beta_1)).
 
@@ -13,15 +13,13 @@ threshold: at kappa = 8 from beta_1 = 0.9 it falls 101x under "invariant"
 `InvariantAdam`'s v, and so P, does not depend on kappa: S measured along a
 kappa = 1 run says which kappa a rule can take at a learning rate.
 
-Example:
+Example::
 
-```python
-scale = sharpness.adam_preconditioner(optimizer)  # P^-1/2, from its v
-s = sharpness.preconditioned_sharpness(
-    lambda: loss_fn(y, model(x, training=False)), model.trainable_variables, scale
-)
-stable = float(s) < sharpness.stability_threshold(kappa * lr, beta_1_k)
-```
+    scale = sharpness.adam_preconditioner(optimizer)  # P^-1/2, from its v
+    s = sharpness.preconditioned_sharpness(
+        lambda: loss_fn(y, model(x, training=False)), model.trainable_variables, scale
+    )
+    stable = float(s) < sharpness.stability_threshold(kappa * lr, beta_1_k)
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ def preconditioned_sharpness(
     """The largest-magnitude eigenvalue of D H D, D = diag(`scale`).
 
     Power iteration from a seeded random unit vector u:
-    u <- D H D u / |D H D u|, `iterations` times; returns the Rayleigh
+    ``u <- D H D u / |D H D u|``, `iterations` times; returns the Rayleigh
     quotient u . D H D u of the last u. With `scale` = P^-1/2
     (`adam_preconditioner`) D H D has the spectrum of P^-1 H, S; with None
     (ones) it is lambda_max(H). Wrap the call in a `tf.function` to run

@@ -283,7 +283,7 @@ def train(
         last_batch: "weighted" (train a short last batch, weighted by its
             item count) or "drop" (skip batches smaller than the first).
         eval_dataset: optional dataset of global batches evaluated at the end
-            of each epoch (keys prefixed with "val_").
+            of each epoch (keys prefixed with ``val_``).
         callbacks: callables `fn(logs)` run on every worker after each
             window, `logs` a dict of floats (loss, batches, epoch, ...).
         verbose: 1 for a progress bar on the chief, 0 for none.
