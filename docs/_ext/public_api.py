@@ -8,11 +8,12 @@ defines whose names do not start with an underscore. A name that
 `keras_accum` re-exports is documented once, as `keras_accum.<name>`.
 
 `tests/test_docs.py` imports this file to check the docstrings without
-Sphinx; the page check needs a build.
+Sphinx (nothing here imports Sphinx); the page check needs a build.
 """
 
 import importlib
 import inspect
+import re
 
 PUBLIC_MODULES = (
     "keras_accum",
@@ -67,10 +68,17 @@ def modules_with_all():
 def constant_doc(module_name, name):
     """The `#:` comment lines above `name`'s assignment, in the module that
     assigns it ([] when there are none)."""
-    from sphinx.pycode import ModuleAnalyzer
-
-    analyzer = ModuleAnalyzer.for_module(_defining_module(module_name, name))
-    return list(analyzer.find_attr_docs().get(("", name), []))
+    source = inspect.getsource(importlib.import_module(_defining_module(module_name, name)))
+    lines = source.split("\n")
+    for i, line in enumerate(lines):
+        if re.match(rf"{re.escape(name)}\s*(:[^=]*)?=", line):
+            comments = []
+            for above in reversed(lines[:i]):
+                if not above.startswith("#:"):
+                    break
+                comments.insert(0, above[2:].strip())
+            return comments
+    return []
 
 
 def page_name(module_name, name):
