@@ -244,8 +244,16 @@ def attach(model: keras.Layer, optimizer: keras.optimizers.Optimizer | None) -> 
     loop of your own that calls `optimizer.apply` (under `model.fit` they
     follow the compiled optimizer without it). While attached, a layer
     looks at no compiled optimizer; `None` undoes it. A layer that follows
-    an optimizer that does not accumulate is Keras's layer. Returns those
-    layers. `keras_accum.training.Trainer` calls it for you.
+    an optimizer that does not accumulate is Keras's layer.
+    `keras_accum.training.Trainer` calls it for you.
+
+    Args:
+        model: a model or layer holding `BatchNormalization` layers.
+        optimizer: the optimizer whose windows they follow, or None to
+            detach them.
+
+    Returns:
+        The `BatchNormalization` layers attached (a list).
     """
     if not isinstance(model, keras.Layer):
         raise ValueError(f"`model` must be a Keras model or layer. Received: model={model!r}")
@@ -272,6 +280,12 @@ def convert_batch_normalization(model: keras.Model) -> keras.Model:
     Not converted: subclasses of Keras's layer, and layers inside a layer
     of your own. The copy is not compiled; compile it. A subclassed model
     is refused: build it with `keras_accum.layers.BatchNormalization`.
+
+    Args:
+        model: a built Sequential or Functional model.
+
+    Returns:
+        A new, uncompiled model.
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a keras.Model. Received: model={model!r}")

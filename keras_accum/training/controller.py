@@ -72,8 +72,12 @@ class Controller:
     """Epochs, checkpoints, logs, evaluation and resume around a `Trainer`.
 
     `resume()` restores the newest intact checkpoint of `workdir`, `run(
-    dataset, epochs)` trains to the end and returns the history. Arguments
-    as in `train`.
+    dataset, epochs)` trains to the end and returns the history.
+
+    Args:
+        trainer: the `Trainer` of the model, optimizer and loss.
+        workdir, checkpoint_every, eval_dataset, callbacks, verbose: as in
+            `train`.
     """
 
     def __init__(
