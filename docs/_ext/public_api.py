@@ -155,6 +155,33 @@ def _constant_docstring(app, what, name, obj, options, lines):
             lines[:] = constant_doc(module_name, short)
 
 
+def _forwarded_signature(app, what, name, obj, options, signature, return_annotation):
+    """`InvariantAdam(*args, name=..., **kwargs)` forwards to its base's
+    `__init__`: show the arguments it takes (the base's, with the
+    subclass's own keyword defaults), not `*args, **kwargs`."""
+    if what != "class" or not name.startswith("keras_accum"):
+        return None
+    own = inspect.signature(obj.__init__)
+    kinds = {p.kind for p in own.parameters.values()}
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        return None
+    for base in obj.__mro__[1:]:
+        init = base.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = dict(inspect.signature(init).parameters)
+        if inspect.Parameter.VAR_POSITIONAL in {p.kind for p in params.values()}:
+            continue
+        params.pop("self", None)
+        for p in own.parameters.values():
+            if p.kind is inspect.Parameter.KEYWORD_ONLY:
+                params[p.name] = p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        merged = [p.replace(annotation=inspect.Parameter.empty) for p in params.values()]
+        ordered = sorted(merged, key=lambda p: p.kind == inspect.Parameter.VAR_KEYWORD)
+        return str(inspect.Signature(ordered)), return_annotation
+    return None
+
+
 def _check_coverage(app, env):
     from sphinx.util import logging
 
@@ -176,5 +203,6 @@ def _check_coverage(app, env):
 def setup(app):
     app.connect("autodoc-skip-member", _skip_member)
     app.connect("autodoc-process-docstring", _constant_docstring)
+    app.connect("autodoc-process-signature", _forwarded_signature)
     app.connect("env-check-consistency", _check_coverage)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
