@@ -26,8 +26,8 @@ class InvariantAdam(AdamFamily):
         \theta &= \theta - \alpha_k \, m / (\sqrt{v} + \epsilon)
 
     Standard accumulation squares the averaged gradient, and
-    :math:`E[(\bar g)^2] = G^2 + \sigma^2 / \kappa` depends on kappa; here
-    :math:`E[\overline{g^2}] = G^2 + \sigma^2` does not. Holding the micro-batch size
+    :math:`E[(\bar g)^2] = |G|^2 + \sigma^2 / \kappa` depends on kappa; here
+    :math:`E[\overline{g^2}] = |G|^2 + \sigma^2` does not. Holding the micro-batch size
     fixed and scaling `learning_rate` and `1 - beta_i` linearly with kappa
     (`keras_accum.scale_hyperparameters(rule="invariant")`), training curves
     versus examples seen stay the same when kappa changes (for small enough
