@@ -39,21 +39,21 @@ class Decision(NamedTuple):
 class AdaptiveSteps(StepsSchedule):
     """Window size following the smoothed gradient noise scale, never decreasing.
 
-    The critical batch size is about B_simple = tr(Sigma) / |G|^2
+    The critical batch size is about B_simple = ``tr(Sigma) / |G|^2``
     (McCandlish et al. 2018): below it, a bigger batch saves updates almost
     for free. One estimate is noisy, and the window never shrinks, so a
     first estimate that is too high would hold for the rest of the run.
     `observe(b_simple)` (e.g. with
     `keras_accum.diagnostics.GradientNoiseScale(...).b_simple`) therefore
     folds each finite estimate b_n into a bias-corrected exponential moving
-    average (as Adam's moments and AdaptDL do), with s = `smoothing`:
+    average (as Adam's moments and AdaptDL do), with s = `smoothing`::
 
         a_n = s * a_{n-1} + (1 - s) * clip(b_n, 0, max_steps * micro_batch_size)
         B_n = a_n / (1 - s ** n)
 
     nan estimates (none yet) are skipped and not counted; +inf (the signal
     not resolved above the noise) enters as the largest useful value, which
-    keeps the average finite. Once n >= `min_observations`:
+    keeps the average finite. Once n >= `min_observations`::
 
         decided = max(decided, clip(ceil(B_n / micro_batch_size),
                                     min_steps, max_steps))
@@ -74,15 +74,13 @@ class AdaptiveSteps(StepsSchedule):
     `keras_accum.schedules`).
 
     Example:
+        kappa = 1, 2, 4 for 4000 micro-steps, then from the noise scale
+        (every so often: ``steps.observe(noise_scale.b_simple)``)::
 
-    ```python
-    # kappa = 1, 2, 4 for 4000 micro-steps, then from the noise scale.
-    steps = keras_accum.AdaptiveSteps(
-        1, 16, micro_batch_size=32,
-        warmup=keras_accum.PiecewiseSteps([1000, 4000], [1, 2, 4]))
-    optimizer = keras_accum.InvariantAdam(1e-3, steps=steps, scaling_rule="power")
-    ...  # every so often: steps.observe(noise_scale.b_simple)
-    ```
+            steps = keras_accum.AdaptiveSteps(
+                1, 16, micro_batch_size=32,
+                warmup=keras_accum.PiecewiseSteps([1000, 4000], [1, 2, 4]))
+            optimizer = keras_accum.InvariantAdam(1e-3, steps=steps, scaling_rule="power")
 
     Args:
         min_steps: the lower bound of the decided size and, without a

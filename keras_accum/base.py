@@ -132,10 +132,14 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
 
     @property
     def skipped_micro_batches(self):
+        """Micro-batches left out for a non-finite gradient under
+        `nonfinite="skip_micro_batch"` (summed over replicas on read)."""
         return self._counter("_skipped_micro_batches")
 
     @property
     def skipped_updates(self):
+        """Windows whose update was dropped for a non-finite gradient under
+        `nonfinite="skip_window"`."""
         return self._counter("_skipped_updates")
 
     def _counter(self, name):

@@ -1,18 +1,25 @@
-"""Gradient noise scale B_simple (McCandlish et al. 2018, arXiv:1812.06162).
+r"""Gradient noise scale B_simple (McCandlish et al. 2018, arXiv:1812.06162).
 
-B_simple = tr(Sigma) / |G|^2, where G is the true (full-data) gradient and
-Sigma the per-example gradient covariance. It is estimated from squared
-gradient norms at two batch sizes, b (a micro-batch) and B = kappa * b (the
-whole window of kappa micro-batches with mean gradients g_1..g_kappa):
+:math:`B_\text{simple} = \operatorname{tr}(\Sigma) / |G|^2`, where G is the
+true (full-data) gradient and Sigma the per-example gradient covariance. It
+is estimated from squared gradient norms at two batch sizes, b (a
+micro-batch) and B = kappa * b (the whole window of kappa micro-batches with
+mean gradients g_1..g_kappa):
 
-    |g_b|^2    = mean_j |g_j|^2      (small batch, averaged over the window)
-    |g_B|^2    = |mean_j g_j|^2      (big batch)
-    |G|^2 est  = (B |g_B|^2 - b |g_b|^2) / (B - b)
-    tr(Sigma)  = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
-    B_simple   = EMA(tr(Sigma)) / EMA(|G|^2)     (smooth each, then divide)
+.. math::
 
-Both estimates are unbiased since E|g_b|^2 = |G|^2 + tr(Sigma)/b, but noisy:
-one window's |G|^2 estimate can be negative, hence the smoothing before the
+    |g_b|^2 &= \operatorname{mean}_j |g_j|^2
+        \quad \text{(small batch, averaged over the window)} \\
+    |g_B|^2 &= |\operatorname{mean}_j g_j|^2 \quad \text{(big batch)} \\
+    \widehat{|G|^2} &= (B |g_B|^2 - b |g_b|^2) / (B - b) \\
+    \operatorname{tr}(\Sigma) &= (|g_b|^2 - |g_B|^2) / (1/b - 1/B) \\
+    B_\text{simple} &= \operatorname{EMA}(\operatorname{tr}(\Sigma))
+        / \operatorname{EMA}(\widehat{|G|^2})
+        \quad \text{(smooth each, then divide)}
+
+Both estimates are unbiased since
+:math:`E|g_b|^2 = |G|^2 + \operatorname{tr}(\Sigma)/b`, but noisy: one
+window's ``|G|^2`` estimate can be negative, hence the smoothing before the
 division.
 
 How to read it: B_simple is the batch size at which the gradient noise equals
@@ -21,7 +28,7 @@ noise, so doubling the batch nearly halves the steps needed); batch sizes well
 above it waste examples (the extra examples barely improve the step). The
 critical batch size is typically of the order of B_simple.
 
-Example:
+Example::
 
     tracker = GradientNoiseScale(ema=0.95)
     tracker.update_from_micro_grads([grads_1, grads_2, grads_3], 32)
@@ -77,11 +84,11 @@ def _check_sizes(small_batch, big_batch):
 def noise_scale_estimates(
     small_sq_norm: Any, big_sq_norm: Any, small_batch: float, big_batch: float
 ) -> tuple[tf.Tensor, tf.Tensor]:
-    """Unbiased one-window estimates `(|G|^2, tr(Sigma))`.
+    """Unbiased one-window estimates ``(|G|^2, tr(Sigma))``.
 
     Args:
-        small_sq_norm: |g_b|^2, mean squared norm of the micro-batch gradients.
-        big_sq_norm: |g_B|^2, squared norm of the window's mean gradient.
+        small_sq_norm: ``|g_b|^2``, mean squared norm of the micro-batch gradients.
+        big_sq_norm: ``|g_B|^2``, squared norm of the window's mean gradient.
         small_batch: b. big_batch: B. Checked `B > b > 0` when their values
             are known at trace time (Python numbers, constants, eager).
     """
@@ -113,7 +120,7 @@ def _mean_grad(column):
 
 
 class GradientNoiseScale(tf.Module):
-    """Running B_simple from bias-corrected EMAs of |G|^2 and tr(Sigma).
+    """Running B_simple from bias-corrected EMAs of ``|G|^2`` and tr(Sigma).
 
     State (float32 variables, checkpointable with `tf.train.Checkpoint`):
     `updates` (windows seen), `trace_sigma_acc` and `g2_acc` (raw EMAs,
@@ -122,7 +129,7 @@ class GradientNoiseScale(tf.Module):
     windows are not pulled towards 0. Before any update all results are nan.
 
     `b_simple` = trace_sigma / g2 (the bias corrections cancel). When the
-    smoothed |G|^2 is <= 0 the signal is not resolved above the noise and
+    smoothed ``|G|^2`` is <= 0 the signal is not resolved above the noise and
     `b_simple` is +inf: never a clipped or negative number. `trace_sigma`
     and `g2` give the smoothed values as they are, signs included.
 
@@ -147,7 +154,7 @@ class GradientNoiseScale(tf.Module):
         micro_batch_size: float,
         window_size: float,
     ) -> tf.Tensor:
-        """Feeds one window: |g_b|^2, |g_B|^2, b, B. Returns `b_simple`."""
+        """Feeds one window: ``|g_b|^2``, ``|g_B|^2``, b, B. Returns `b_simple`."""
         g2, trace = noise_scale_estimates(
             micro_grads_sq_norm_mean, window_grad_sq_norm, micro_batch_size, window_size
         )
@@ -216,7 +223,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
     computes each micro-batch's gradient of the compiled loss
     (`model.compute_loss`, including regularisation losses) and feeds a
     `GradientNoiseScale`. At each epoch end it writes the current
-    `noise_scale` (B_simple), `trace_sigma` and `grad_sq_norm` (|G|^2) into
+    `noise_scale` (B_simple), `trace_sigma` and `grad_sq_norm` (``|G|^2``) into
     the epoch logs, so they reach `History`; put this callback before a
     `CSVLogger` in the list so the logger sees them. They are nan until the
     first probe has run.

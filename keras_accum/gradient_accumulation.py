@@ -23,13 +23,16 @@ from keras_accum._backend import tf
 
 @saving.register_keras_serializable(package="keras_accum")
 class GradientAccumulation(base.AccumulationOptimizer):
-    """Averages micro-batch gradients over a window, then steps `optimizer`.
+    r"""Averages micro-batch gradients over a window, then steps `optimizer`.
 
     For a window of micro-batches j with gradients g_j and weights w_j
-    (item or token counts passed as `apply(..., weight=w_j)`, 1 by default):
+    (item or token counts passed as ``apply(..., weight=w_j)``, 1 by
+    default), at the end of the window:
 
-        S = sum_j w_j * g_j ,  W = sum_j w_j
-        at the end of the window:  optimizer.apply(S / W)
+    .. math::
+
+        S = \sum_j w_j g_j, \qquad W = \sum_j w_j, \qquad
+        \texttt{optimizer.apply}(S / W)
 
     With w_j the number of items, this is exactly one step of `optimizer` on
     the concatenated batch, also when the last micro-batch is short or the
@@ -52,14 +55,15 @@ class GradientAccumulation(base.AccumulationOptimizer):
       Smaller ones are made dense first.
 
     Example:
+        One update of the inner optimizer per 4 micro-batches of 4:
 
-    ```python
-    import keras, keras_accum as ka
-    model.compile(
-        optimizer=ka.GradientAccumulation(keras.optimizers.AdamW(1e-3), steps=4),
-        loss="sparse_categorical_crossentropy")
-    model.fit(x, y, batch_size=32)   # one AdamW update per 4 x 32 examples
-    ```
+        >>> import numpy as np, keras, keras_accum as ka
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> optimizer = ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=4)
+        >>> model.compile(optimizer=optimizer, loss="mse")
+        >>> _ = model.fit(np.ones((32, 3)), np.zeros((32, 1)), batch_size=4, verbose=0)
+        >>> int(optimizer.micro_step), int(optimizer.iterations)  # 8 micro-batches, 2 updates
+        (8, 2)
 
     Args:
         optimizer: the `keras.optimizers.Optimizer` to step once per window.

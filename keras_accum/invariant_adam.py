@@ -23,19 +23,21 @@ from keras_accum.adam_family import AdamFamily
 
 @saving.register_keras_serializable(package="keras_accum")
 class InvariantAdam(AdamFamily):
-    """Adam whose second moment averages *squared* micro-batch gradients.
+    r"""Adam whose second moment averages *squared* micro-batch gradients.
 
     With kappa micro-batches per update (kappa = steps x replicas in sync)
     and micro-batch mean gradients g_j, update k does:
 
-        m = beta_1 * m + (1 - beta_1) * (1/kappa) * sum_j g_j
-        v = beta_2 * v + (1 - beta_2) * (1/kappa) * sum_j g_j**2
-        alpha_k = lr * sqrt(1 - beta_2**k) / (1 - beta_1**k)
-        theta = theta - alpha_k * m / (sqrt(v) + epsilon)
+    .. math::
+
+        m &= \beta_1 m + (1 - \beta_1) \frac{1}{\kappa} \sum_j g_j \\
+        v &= \beta_2 v + (1 - \beta_2) \frac{1}{\kappa} \sum_j g_j^2 \\
+        \alpha_k &= \mathrm{lr} \, \sqrt{1 - \beta_2^k} / (1 - \beta_1^k) \\
+        \theta &= \theta - \alpha_k \, m / (\sqrt{v} + \epsilon)
 
     Standard accumulation squares the averaged gradient, and
-    E[(mean g)^2] = |G|^2 + sigma^2/kappa depends on kappa; here
-    E[mean(g^2)] = |G|^2 + sigma^2 does not. Holding the micro-batch size
+    :math:`E[(\bar g)^2] = |G|^2 + \sigma^2 / \kappa` depends on kappa; here
+    :math:`E[\overline{g^2}] = |G|^2 + \sigma^2` does not. Holding the micro-batch size
     fixed and scaling `learning_rate` and `1 - beta_i` linearly with kappa
     (`keras_accum.scale_hyperparameters(rule="invariant")`), training curves
     versus examples seen stay the same when kappa changes (for small enough
@@ -49,6 +51,7 @@ class InvariantAdam(AdamFamily):
     per window.
 
     Conventions:
+
     * epsilon sits outside the square root as in `keras.optimizers.Adam`, so
       that `steps=1` on one replica is Keras Adam, bit for bit, for
       float32, float16 and bfloat16 variables and under mixed_float16,
@@ -81,7 +84,7 @@ class InvariantAdam(AdamFamily):
     (`keras_accum.PiecewiseSteps`, `keras_accum.AdaptiveSteps`); each window
     k then has its own kappa_k, fixed when it starts. With a `scaling_rule`,
     `learning_rate`, `beta_1`, `beta_2` and `epsilon` are the values tuned
-    for ONE micro-batch per update and window k uses
+    for ONE micro-batch per update and window k uses::
 
         lr_k = kappa_k * lr
         1 - beta_i,k = kappa_k * (1 - beta_i)   ("invariant")

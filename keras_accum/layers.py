@@ -87,20 +87,24 @@ class BatchNormalization(keras.layers.BatchNormalization):
     calls into its window.
 
     Example:
+        The moving statistics move once per window of 4 micro-batches, to
+        those of its 16 items:
 
-    ```python
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 3, use_bias=False),
-        keras_accum.layers.BatchNormalization(),
-        keras.layers.ReLU(),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(10),
-    ])
-    model.compile(optimizer=keras_accum.GradientAccumulation(
-        keras.optimizers.Adam(1e-3), steps=8), loss=...)
-    model.fit(x, y, batch_size=16)  # moving statistics of 128 items, per update
-    ```
+        >>> import numpy as np, keras, keras_accum
+        >>> model = keras.Sequential([
+        ...     keras.Input((3,)),
+        ...     keras_accum.layers.BatchNormalization(),
+        ...     keras.layers.Dense(1),
+        ... ])
+        >>> model.compile(
+        ...     optimizer=keras_accum.GradientAccumulation(keras.optimizers.SGD(0.0), steps=4),
+        ...     loss="mse",
+        ... )
+        >>> x = np.arange(48, dtype="float32").reshape(16, 3)
+        >>> _ = model.fit(x, np.zeros((16, 1)), batch_size=4, shuffle=False, verbose=0)
+        >>> moving_mean = model.layers[0].moving_mean.numpy()
+        >>> np.allclose(moving_mean, 0.01 * x.mean(axis=0))  # momentum 0.99, one update
+        True
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -241,8 +245,16 @@ def attach(model: keras.Layer, optimizer: keras.optimizers.Optimizer | None) -> 
     loop of your own that calls `optimizer.apply` (under `model.fit` they
     follow the compiled optimizer without it). While attached, a layer
     looks at no compiled optimizer; `None` undoes it. A layer that follows
-    an optimizer that does not accumulate is Keras's layer. Returns those
-    layers. `keras_accum.training.Trainer` calls it for you.
+    an optimizer that does not accumulate is Keras's layer.
+    `keras_accum.training.Trainer` calls it for you.
+
+    Args:
+        model: a model or layer holding `BatchNormalization` layers.
+        optimizer: the optimizer whose windows they follow, or None to
+            detach them.
+
+    Returns:
+        The `BatchNormalization` layers attached (a list).
     """
     if not isinstance(model, keras.Layer):
         raise ValueError(f"`model` must be a Keras model or layer. Received: model={model!r}")
@@ -269,6 +281,12 @@ def convert_batch_normalization(model: keras.Model) -> keras.Model:
     Not converted: subclasses of Keras's layer, and layers inside a layer
     of your own. The copy is not compiled; compile it. A subclassed model
     is refused: build it with `keras_accum.layers.BatchNormalization`.
+
+    Args:
+        model: a built Sequential or Functional model.
+
+    Returns:
+        A new, uncompiled model.
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a keras.Model. Received: model={model!r}")

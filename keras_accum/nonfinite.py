@@ -1,12 +1,17 @@
 """What the optimizers do with a NaN or an Inf gradient: the `nonfinite`
 argument, one policy table and one check.
 
++----------------------+----------------------------------------+-------------------------+
 | policy               | a non-finite micro-batch               | counted in              |
-|----------------------|----------------------------------------|-------------------------|
++======================+========================================+=========================+
 | `"skip_micro_batch"` | left out of its window (no weight)     | `skipped_micro_batches` |
++----------------------+----------------------------------------+-------------------------+
 | `"skip_window"`      | its window's update is dropped         | `skipped_updates`       |
++----------------------+----------------------------------------+-------------------------+
 | `"raise"`            | InvalidArgumentError (not under XLA)   | -                       |
++----------------------+----------------------------------------+-------------------------+
 | `None`               | no check: it propagates, as in Keras   | -                       |
++----------------------+----------------------------------------+-------------------------+
 
 Window state is reset at a window's start whatever its first micro-batch
 does, so a skip never leaves the previous window's sums or update in place.
@@ -142,11 +147,10 @@ def explained():
     words are buried below it. Other errors pass through unchanged.
 
     Example:
+        ::
 
-    ```python
-    with keras_accum.nonfinite.explained():
-        model.fit(x, y)
-    ```
+            with keras_accum.nonfinite.explained():
+                model.fit(x, y)
     """
     try:
         yield

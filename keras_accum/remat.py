@@ -50,7 +50,7 @@ of the model without it; in the file each wrapped layer's weights sit
 under its wrapper's.
 
 What it saves and costs is measured in BENCHMARKS.md ("Rematerialization");
-the README's "When one example does not fit" sums it up.
+the guide "When one example does not fit" (docs/guides/memory.md) sums it up.
 
 Example:
 

@@ -3,13 +3,18 @@
 From a base tuned at kappa = 1 (one micro-batch per update), for kappa
 micro-batches per update:
 
++----------------+------------------+------------------------+-----------------------+
 | rule           | learning_rate    | beta_i'                | epsilon               |
-|----------------|------------------|------------------------|-----------------------|
++================+==================+========================+=======================+
 | "invariant"    | kappa * lr       | 1 - kappa (1 - beta_i) | same                  |
++----------------+------------------+------------------------+-----------------------+
 | "sqrt"         | sqrt(kappa) * lr | 1 - kappa (1 - beta_i) | epsilon / sqrt(kappa) |
-| "power"        | kappa * lr       | beta_i ** kappa        | same                  |
++----------------+------------------+------------------------+-----------------------+
+| "power"        | kappa * lr       | ``beta_i ** kappa``    | same                  |
++----------------+------------------+------------------------+-----------------------+
 | "fixed_beta_1" | kappa * lr       | beta_1 same,           | same                  |
-|                |                  | beta_2 ** kappa        |                       |
+|                |                  | ``beta_2 ** kappa``    |                       |
++----------------+------------------+------------------------+-----------------------+
 
 "invariant" is the linear rule under which `InvariantAdam` curves do not
 depend on kappa (Wang & Aitchison 2024); "sqrt" is the square-root rule for

@@ -68,13 +68,13 @@ class PiecewiseSteps(StepsSchedule):
     where i is the number of `boundaries` <= s.
 
     Example:
+        kappa = 1 for 2000 micro-steps, then 4, then 16 from micro-step 8000:
 
-    ```python
-    # kappa = 1 for 2000 micro-steps, then 4, then 16 from micro-step 8000.
-    steps = keras_accum.PiecewiseSteps([2000, 8000], [1, 4, 16])
-    optimizer = keras_accum.InvariantAdam(1e-3, steps=steps,
-                                          scaling_rule="invariant")
-    ```
+        >>> import keras_accum
+        >>> steps = keras_accum.PiecewiseSteps([2000, 8000], [1, 4, 16])
+        >>> optimizer = keras_accum.InvariantAdam(1e-3, steps=steps, scaling_rule="power")
+        >>> steps.max_steps
+        16
 
     Args:
         boundaries: strictly increasing integers >= 1 (micro-steps).

@@ -3,7 +3,7 @@
 Adam with a frozen preconditioner P = diag(sqrt(v_hat) + epsilon) is stable
 on a quadratic while the preconditioned sharpness S = lambda_max(P^-1 H) (H
 the loss's Hessian) stays below (Cohen et al. 2022, "adaptive edge of
-stability", arXiv:2207.14484)
+stability", arXiv:2207.14484)::
 
     threshold = (2 + 2 beta_1) / (lr (1 - beta_1)).
 
@@ -13,15 +13,13 @@ threshold: at kappa = 8 from beta_1 = 0.9 it falls 101x under "invariant"
 `InvariantAdam`'s v, and so P, does not depend on kappa: S measured along a
 kappa = 1 run says which kappa a rule can take at a learning rate.
 
-Example:
+Example::
 
-```python
-scale = sharpness.adam_preconditioner(optimizer)  # P^-1/2, from its v
-s = sharpness.preconditioned_sharpness(
-    lambda: loss_fn(y, model(x, training=False)), model.trainable_variables, scale
-)
-stable = float(s) < sharpness.stability_threshold(kappa * lr, beta_1_k)
-```
+    scale = sharpness.adam_preconditioner(optimizer)  # P^-1/2, from its v
+    s = sharpness.preconditioned_sharpness(
+        lambda: loss_fn(y, model(x, training=False)), model.trainable_variables, scale
+    )
+    stable = float(s) < sharpness.stability_threshold(kappa * lr, beta_1_k)
 """
 
 from __future__ import annotations
@@ -37,7 +35,11 @@ from keras_accum.validation import check_float
 
 def stability_threshold(learning_rate: float, beta_1: float) -> float:
     """(2 + 2 beta_1) / (lr (1 - beta_1)): the largest preconditioned
-    sharpness at which Adam's update is stable on a quadratic."""
+    sharpness at which Adam's update is stable on a quadratic.
+
+    >>> round(stability_threshold(1e-3, 0.9))
+    38000
+    """
     check_float("learning_rate", learning_rate, minimum=0.0, open_minimum=True)
     check_float("beta_1", beta_1, minimum=0.0, maximum=1.0, open_maximum=True)
     return (2 + 2 * beta_1) / (learning_rate * (1 - beta_1))
@@ -58,7 +60,16 @@ def _dot(a, b):
 def hessian_vector_product(
     loss_fn: Callable[[], Any], variables: Sequence[Any], vector: Sequence[Any]
 ) -> list[tf.Tensor]:
-    """H u of `loss_fn()` with respect to `variables`: the gradient of g . u."""
+    """H u of `loss_fn()` with respect to `variables`: the gradient of g . u.
+
+    Args:
+        loss_fn: a function of no arguments returning the scalar loss.
+        variables: the variables H is taken with respect to.
+        vector: u, one tensor per variable (their shapes).
+
+    Returns:
+        H u, one tensor per variable.
+    """
     with tf.GradientTape() as outer:
         with tf.GradientTape() as inner:
             loss = loss_fn()
@@ -76,7 +87,7 @@ def preconditioned_sharpness(
     """The largest-magnitude eigenvalue of D H D, D = diag(`scale`).
 
     Power iteration from a seeded random unit vector u:
-    u <- D H D u / |D H D u|, `iterations` times; returns the Rayleigh
+    ``u <- D H D u / |D H D u|``, `iterations` times; returns the Rayleigh
     quotient u . D H D u of the last u. With `scale` = P^-1/2
     (`adam_preconditioner`) D H D has the spectrum of P^-1 H, S; with None
     (ones) it is lambda_max(H). Wrap the call in a `tf.function` to run
@@ -112,7 +123,17 @@ def adam_preconditioner(optimizer: Any, epsilon: float | None = None) -> list[tf
     the second moments of a built `keras.optimizers.Adam`, `InvariantAdam`
     (v_hat = v / (1 - P_2) under a `scaling_rule`, else v / (1 - beta_2**t),
     t updates), `UpdateAccumulationAdam` (t micro-steps: its v moves every
-    micro-batch) or the Adam a `GradientAccumulation` wraps."""
+    micro-batch) or the Adam a `GradientAccumulation` wraps.
+
+    Args:
+        optimizer: one of the optimizers above, built (it has taken a step
+            or `build(variables)`).
+        epsilon: the epsilon added to sqrt(v_hat); default the optimizer's.
+
+    Returns:
+        P^-1/2, one tensor per trainable variable, in the optimizer's order;
+        the `scale` of `preconditioned_sharpness`.
+    """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     velocities = getattr(optimizer, "_velocities", None)
     if not velocities or not hasattr(optimizer, "beta_2"):

@@ -20,16 +20,20 @@ from keras_accum.adam_family import AdamFamily
 
 @saving.register_keras_serializable(package="keras_accum")
 class UpdateAccumulationAdam(AdamFamily):
-    """Adam whose moments see every micro-batch; parameters move every N.
+    r"""Adam whose moments see every micro-batch; parameters move every N.
 
     For every micro-step t (t counts micro-batches whose gradient was used;
     under a strategy g_t is the replica-mean gradient of that step):
 
-        m_t = m + (g_t - m) * (1 - beta_1)
-        v_t = v + (g_t**2 - v) * (1 - beta_2)
-        A   = A + alpha_t * m_t / (sqrt(v_t) + epsilon)
-              alpha_t = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)
-        every `steps` micro-steps:  theta = theta - A ;  A = 0
+    .. math::
+
+        m_t &= m + (g_t - m)(1 - \beta_1) \\
+        v_t &= v + (g_t^2 - v)(1 - \beta_2) \\
+        A &= A + \alpha_t \, m_t / (\sqrt{v_t} + \epsilon), \qquad
+            \alpha_t = \mathrm{lr} \, \sqrt{1 - \beta_2^t} / (1 - \beta_1^t)
+
+    and every `steps` micro-steps :math:`\theta \leftarrow \theta - A`,
+    :math:`A \leftarrow 0`.
 
     Gradients within a window are all taken at the same (stale) theta: this
     is Adam with a bounded delay of up to `steps - 1` micro-steps.

@@ -125,7 +125,15 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     replaces it). A model whose own `compute_loss` does not use the
     compiled loss is not weighed. Needs one loss for token means. With a
     Keras optimizer (one update per batch, whose mean is already exact)
-    it changes nothing. Returns `model`.
+    it changes nothing.
+
+    Args:
+        model: a compiled Keras model whose optimizer is (or wraps, through
+            a `keras.optimizers.LossScaleOptimizer`) a
+            `keras_accum.GradientAccumulation`; the Adam variants refuse it.
+
+    Returns:
+        `model`, its compiled loss wrapped.
     """
     _backend.require_tensorflow("`weigh_micro_batches`")
     if not isinstance(model, keras.Model):

@@ -43,8 +43,8 @@ class WindowMixin:
 
     @property
     def window_steps(self):
-        """Micro-batches per replica of the current window: `steps`, or with
-        a schedule the value it gave when the window started (a variable)."""
+        """Micro-batches per replica of the current window (`steps`, or with
+        a schedule the value it gave when the window started, a variable)."""
         if isinstance(self.steps, StepsSchedule):
             return self._window_size
         return self.steps

@@ -2,7 +2,7 @@
 
     python scripts/seeds.py --config saved_configs/mnist1d_cnn_invariant.py \
         --seeds 5 --workdir runs/seeds --data_dir runs/seeds/tfds \
-        --splice README.md:main
+        --splice docs/guides/main_job.md:main
 
 Each seed is `scripts/train.py --config CONFIG --seed K` in its own process
 (exactly the README's command, TensorFlow start-up and, on a fresh

@@ -3,7 +3,7 @@ mode and model size with a digest of the step's operations (the multiset
 of TensorFlow op types in graph mode, function library included; of the
 optimized HLO opcodes under XLA) and their count. Two checkouts that print
 the same lines run the same operations, so their speed cannot differ by
-the code (BENCHMARKS.md, "Same step, op for op"). About a minute:
+the code (BENCHMARKS_HISTORY.md, "Same step, op for op"). About a minute:
 
     python scripts/step_digest.py > after.txt   # in each checkout, then diff
 """

@@ -1,7 +1,7 @@
 """Why GradientAccumulation routes its inner optimizer's writes under XLA:
 time per micro-step of GradientAccumulation(Adam, 4) under XLA on one
 replica, today's routed select against a plain `tf.cond` around the inner
-update (BENCHMARKS.md, "The inner update under XLA"). Both variants in one
+update (BENCHMARKS_HISTORY.md, "The inner update under XLA"). Both variants in one
 process, timed in turns. About 3 minutes; pin it for steadier numbers:
 
     TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=1 taskset -c 1 \

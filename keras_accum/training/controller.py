@@ -72,8 +72,12 @@ class Controller:
     """Epochs, checkpoints, logs, evaluation and resume around a `Trainer`.
 
     `resume()` restores the newest intact checkpoint of `workdir`, `run(
-    dataset, epochs)` trains to the end and returns the history. Arguments
-    as in `train`.
+    dataset, epochs)` trains to the end and returns the history.
+
+    Args:
+        trainer: the `Trainer` of the model, optimizer and loss.
+        workdir, checkpoint_every, eval_dataset, callbacks, verbose: as in
+            `train`.
     """
 
     def __init__(
@@ -283,7 +287,7 @@ def train(
         last_batch: "weighted" (train a short last batch, weighted by its
             item count) or "drop" (skip batches smaller than the first).
         eval_dataset: optional dataset of global batches evaluated at the end
-            of each epoch (keys prefixed with "val_").
+            of each epoch (keys prefixed with ``val_``).
         callbacks: callables `fn(logs)` run on every worker after each
             window, `logs` a dict of floats (loss, batches, epoch, ...).
         verbose: 1 for a progress bar on the chief, 0 for none.

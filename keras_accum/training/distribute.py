@@ -250,6 +250,14 @@ def strategy_from_environment(collective_timeout: float | None = None) -> tf.dis
     collective, which catches a peer that hangs while alive (TF spends one
     thread per collective on it, so keep it for debugging or set it well
     above the slowest step, checkpoint and evaluation).
+
+    Args:
+        collective_timeout: seconds after which a collective fails, or None
+            (no bound).
+
+    Returns:
+        The `tf.distribute.Strategy`, created (call it before building the
+        model, and build the model in its scope).
     """
     if multi_worker_environment():
         config = check_tf_config(os.environ["TF_CONFIG"])
@@ -266,7 +274,15 @@ def strategy_from_environment(collective_timeout: float | None = None) -> tf.dis
 
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
-    """True on the worker that writes checkpoints, logs and summaries."""
+    """True on the worker that writes checkpoints, logs and summaries.
+
+    Args:
+        strategy: the `tf.distribute` strategy of this process.
+
+    Returns:
+        The strategy's `extended.should_checkpoint`: True on the chief, and
+        in a strategy of one worker.
+    """
     return bool(getattr(strategy.extended, "should_checkpoint", True))
 
 

@@ -32,8 +32,18 @@ def batch_size(batch):
 
 
 def peek_batch_size(dataset):
-    """Size of the first batch of `dataset` (the global batch size), or a
-    ValueError when `dataset` is empty."""
+    """Size of the first batch of `dataset` (the global batch size).
+
+    Args:
+        dataset: a `tf.data.Dataset` of global batches.
+
+    Returns:
+        The first batch's size, as a Python int.
+
+    Raises:
+        ValueError: `dataset` is not a `tf.data.Dataset`, is infinite or
+            is empty.
+    """
     if not isinstance(dataset, tf.data.Dataset):
         raise ValueError(
             "`dataset` must be a `tf.data.Dataset` of global batches. "

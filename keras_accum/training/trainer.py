@@ -79,6 +79,8 @@ from keras_accum.training.distribute import data_sharded, is_chief
 from keras_accum.training.losses import resolve_loss, resolve_metrics, weighted
 from keras_accum.training.stream import batch_size, peek_batch_size, replay, split_batch
 
+#: What `train` and `Trainer` do with a short last batch: "weighted" trains
+#: it weighted by its true size, "drop" leaves it out.
 LAST_BATCH_POLICIES = ("weighted", "drop")
 
 
