@@ -6,12 +6,13 @@ Under TensorFlow `keras_accum.folds` runs them inside its compiled kernels
 `keras_accum.portable` runs them on the optimizer's variables. One window
 of kappa micro-batches g_1 .. g_kappa (ALGORITHMS.md):
 
-| optimizer                | per micro-batch                     | at the window's end    |
-|--------------------------|-------------------------------------|------------------------|
-| `GradientAccumulation`   | `window_sum` (S and W)              | inner step on S / W    |
-| `InvariantAdam`          | `decayed_moments` (`adam_moments`   | `adam_step`, `decayed` |
-|                          | when every window is one micro-batch) |                      |
-| `UpdateAccumulationAdam` | `adam_moments`, `adam_step` into A  | theta - A, `decayed`   |
+* `GradientAccumulation`: `window_sum` (S and W) per micro-batch; at the
+  window's end the inner optimizer's step on S / W.
+* `InvariantAdam`: `decayed_moments` per micro-batch (`adam_moments` when
+  every window is one micro-batch); at the end `adam_step`, after
+  `decayed`.
+* `UpdateAccumulationAdam`: `adam_moments` and `adam_step` into A per
+  micro-batch; at the end theta - A, after `decayed`.
 
 `adam_alpha` is `keras.optimizers.Adam`'s bias-corrected rate, in its own
 form, so that `steps=1` equals Keras's Adam bit for bit on every backend.

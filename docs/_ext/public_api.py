@@ -21,6 +21,7 @@ PUBLIC_MODULES = (
     "keras_accum.schedules",
     "keras_accum.adaptive_steps",
     "keras_accum.scaling",
+    "keras_accum.equations",
     "keras_accum.weighing",
     "keras_accum.nonfinite",
     "keras_accum.remat",
