@@ -427,6 +427,11 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
             return ops.equal(ops.convert_to_tensor(self._window_bad), 0)
         return True
 
+    def _portable_drop(self, dropped):
+        """After a dropped window (where `dropped` holds): leave no
+        non-finite state behind. Nothing by default."""
+        return None
+
     def _portable_update(self, variables, keep):
         """The window's update, each write kept where `keep` holds."""
         raise NotImplementedError

@@ -357,6 +357,10 @@ class GradientAccumulation(base.AccumulationOptimizer):
             return self._weight > 0.0  # every micro-batch skipped: nothing to apply
         return True
 
+    def _portable_drop(self, dropped):
+        # A bad micro-batch made W NaN: 0 again, so no NaN is left behind.
+        self._weight.assign(portable.masked(dropped, 0.0, self._weight))
+
     def _portable_update(self, variables, keep):
         weight = ops.convert_to_tensor(self._weight)
         means = [a / weight for a in self._accumulators_of(variables)]

@@ -108,6 +108,7 @@ def end_window(optimizer, variables, boundary):
     if window_ok is not True:
         dropped = ops.logical_and(boundary, ops.logical_not(window_ok))
         optimizer._skipped_updates.assign(optimizer._skipped_updates + flag(dropped, "int64"))
+        optimizer._portable_drop(dropped)
     optimizer._portable_update(variables, keep)
     if optimizer._portable_steps_inner:
         return  # the inner optimizer counted, averaged and constrained
@@ -141,7 +142,7 @@ def update_ema(optimizer, keep):
         due = due if keep is True else ops.logical_and(keep, due)
         for var, average in zip(trained, _compat.ema_averages(optimizer)):
             if average is not None:
-                var.assign(ops.where(due, average, var))
+                var.assign(masked(due, average, var))
 
 
 def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variables):
