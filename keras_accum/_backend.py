@@ -51,3 +51,15 @@ def executing_eagerly():
     whose Python runs the steps it calls (JAX's `jit` traces, but Keras
     calls what reads values outside it)."""
     return tf.executing_eagerly() if IS_TENSORFLOW else True
+
+
+def is_concrete(value):
+    """True when `value`'s number can be read now: not a symbolic
+    TensorFlow tensor, not a traced JAX value."""
+    if IS_TENSORFLOW:
+        return not tf.is_symbolic_tensor(value) and hasattr(value, "numpy")
+    try:
+        bool(value)
+    except Exception:  # a JAX tracer refuses `bool`
+        return False
+    return True

@@ -1,5 +1,6 @@
 """Gradient accumulation around any Keras optimizer."""
 
+import copy
 from typing import Any
 
 from keras import ops, optimizers, saving
@@ -119,6 +120,8 @@ class GradientAccumulation(base.AccumulationOptimizer):
         """The replica-local item count `weigh_micro_batches` writes under
         `model.fit` and `apply` reads when it is given no `weight` (created
         on first call, under this optimizer's strategy)."""
+        if self._fit_items is None and not _backend.IS_TENSORFLOW:
+            self._fit_items = weighing.FitItems()
         if self._fit_items is None:
             with _compat.optimizer_strategy(self).scope():
                 self._fit_items = weighing.FitItems()
@@ -330,6 +333,10 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def _portable_fold(self, grads, variables, weight, start, ok):
         accumulators = self._accumulators_of(variables)
         grads = [ops.cast(g, "float32") for g in grads]
+        if isinstance(weight, weighing.ReplicaItems):  # `weigh_micro_batches`
+            # n = 0 (no count recorded this step) counts the micro-batch as one.
+            items = ops.cast(weight.items, "float32")
+            weight = ops.where(items > 0.0, items, 1.0)
         share = ops.convert_to_tensor(1.0 if weight is None else weight, "float32")
         if self.nonfinite == "skip_window":
             # A bad micro-batch adds zeros to S (kept finite) and NaN to W,
@@ -364,7 +371,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
     def _portable_update(self, variables, keep):
         weight = ops.convert_to_tensor(self._weight)
         means = [a / weight for a in self._accumulators_of(variables)]
-        if portable.is_concrete(keep):
+        if isinstance(keep, bool) or _backend.is_concrete(keep):
             if bool(keep):  # PyTorch, or JAX run eagerly
                 self.inner_optimizer.apply(means, variables)
             return
@@ -398,7 +405,10 @@ class GradientAccumulation(base.AccumulationOptimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        optimizer = saving.deserialize_keras_object(
-            config.pop("optimizer"), custom_objects=custom_objects
-        )
+        # Keras's optimizer table, not the saved class path: under PyTorch a
+        # `keras.optimizers.Adam` is saved as Keras's PyTorch subclass, which
+        # another backend must load as its own.
+        # (It lowercases the class name in place: a copy keeps `config` as given.)
+        inner = copy.deepcopy(config.pop("optimizer"))
+        optimizer = optimizers.deserialize(inner, custom_objects=custom_objects)
         return cls(optimizer, **config)

@@ -51,17 +51,6 @@ def all_finite(grads):
     return result
 
 
-def is_concrete(value):
-    """True when `value` can be read in Python (not a traced JAX value)."""
-    if isinstance(value, bool):
-        return True
-    try:
-        bool(value)
-    except Exception:  # a JAX tracer refuses `bool`
-        return False
-    return True
-
-
 def apply(optimizer, grads, variables, weight, overwrite):
     """One micro-batch: screen, fold, count, and at a window's end update
     (the portable form of `AccumulationOptimizer._merge_apply`)."""

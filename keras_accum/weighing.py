@@ -20,6 +20,7 @@ nothing passes outside a variable (Keras's `LossScaleOptimizer` calls
 
 import keras
 import numpy as np
+from keras import ops
 
 from keras_accum import _backend, _compat
 from keras_accum._backend import tf
@@ -82,9 +83,9 @@ def loss_denominator(reduction, y_pred, sample_weight):
         mask = _compat.keras_mask(y_pred)
     weights = None
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
-        weights = tf.cast(keras.tree.flatten(sample_weight)[0], "float32")
+        weights = ops.cast(keras.tree.flatten(sample_weight)[0], "float32")
     if mask is not None:
-        mask = tf.cast(mask, "float32")
+        mask = ops.cast(mask, "float32")
         if weights is None:
             weights = mask
         else:
@@ -97,9 +98,9 @@ def loss_denominator(reduction, y_pred, sample_weight):
         if reduction != "mean_with_sample_weight":
             weights = mask  # sum(l * w * mask) / (unmasked count)
     if weights is not None:
-        return tf.reduce_sum(weights)
+        return ops.sum(weights)
     first = next(t for t in keras.tree.flatten(y_pred) if t is not None)
-    return tf.cast(tf.shape(first)[0], "float32")
+    return ops.cast(ops.shape(first)[0], "float32")
 
 
 def weigh_micro_batches(model: keras.Model) -> keras.Model:
@@ -135,7 +136,13 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     Returns:
         `model`, its compiled loss wrapped.
     """
-    _backend.require_tensorflow("`weigh_micro_batches`")
+    if _backend.BACKEND == "jax":
+        raise RuntimeError(
+            "`weigh_micro_batches` needs the TensorFlow or PyTorch backend: under "
+            "JAX the loss's count cannot reach the optimizer from inside the jitted "
+            "step; pass `apply(..., weight=n)` in a custom step instead. Keras runs "
+            "on jax here."
+        )
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a `keras.Model`. Received: model={model!r}")
     if not getattr(model, "compiled", False):
@@ -192,6 +199,9 @@ class FitItems:
     the optimizer's saved state."""
 
     def __init__(self):
+        if not _backend.IS_TENSORFLOW:  # PyTorch: one device, eager
+            self.variable = keras.Variable(0.0, trainable=False, name="fit_items")
+            return
         self.variable = tf.Variable(
             0.0,
             trainable=False,
@@ -203,11 +213,15 @@ class FitItems:
 
     def record(self, items):
         """Replica context: this replica's micro-batch weighs `items`."""
-        self.variable.assign(tf.cast(items, "float32"))
+        self.variable.assign(ops.cast(items, "float32"))
 
     def take(self):
         """Replica context: the recorded count as `ReplicaItems` (0 if
         none was recorded this step), the variable reset to 0."""
+        if not _backend.IS_TENSORFLOW:
+            items = ops.copy(ops.convert_to_tensor(self.variable))  # not a view: reset below
+            self.variable.assign(0.0)
+            return ReplicaItems(items)
         items = tf.identity(self.variable.read_value())
         self.variable.assign(0.0)
         return ReplicaItems(items)
@@ -230,9 +244,9 @@ def check_weight(weight):
             raise ValueError(error)
         return check_float("weight", float(weight), minimum=0.0, open_minimum=True)
     shape = getattr(weight, "shape", None)
-    if shape is None or tf.TensorShape(shape).rank not in (0, None):
+    if shape is None or (shape.rank if hasattr(shape, "rank") else len(shape)) not in (0, None):
         raise ValueError(error)
-    if not tf.is_symbolic_tensor(weight) and hasattr(weight, "numpy"):
-        if not float(weight.numpy()) > 0:
+    if _backend.is_concrete(weight):
+        if not float(ops.convert_to_numpy(weight)) > 0:
             raise ValueError(error)
     return weight

@@ -260,12 +260,11 @@ def test_save_mid_window_resumes(make, tmp_path):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: ka.weigh_micro_batches(model()),
         lambda: ka.rematerialize(model(), "full"),
         lambda: ka.layers.BatchNormalization(),
         lambda: ka.AdaptiveSteps(1, 4, 16),
     ],
-    ids=["weigh_micro_batches", "rematerialize", "batch_norm", "adaptive_steps"],
+    ids=["rematerialize", "batch_norm", "adaptive_steps"],
 )
 def test_tensorflow_only_features_say_so(call):
     with pytest.raises(RuntimeError, match=f"TensorFlow backend.*{BACKEND}"):
@@ -305,3 +304,33 @@ print(sorted(n for n in sys.modules if n.split(".")[0] == "tensorflow"))
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="refused under JAX (below)")
+def test_weigh_micro_batches_makes_a_short_last_batch_exact():
+    """24 examples in micro-batches of 10, 10 and 4, one window: weighed by
+    their item counts the window is the mean over the 24 examples (one SGD
+    step on the whole batch); unweighed, the mean of the three means."""
+    x, y = data(24)
+
+    def trained(weigh, optimizer, batch_size):
+        net = model()
+        net.compile(optimizer=optimizer, loss="mse")
+        if weigh:
+            ka.weigh_micro_batches(net)
+        net.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        return net.get_weights()
+
+    make = lambda: ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=3)
+    big = trained(False, keras.optimizers.SGD(0.1), 24)
+    assert_close(trained(True, make(), 10), big, rtol=1e-5, atol=1e-6)
+    unweighed = trained(False, make(), 10)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(unweighed, big)) > 1e-3
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's jitted step")
+def test_weigh_micro_batches_refused_under_jax():
+    net = model()
+    net.compile(optimizer=ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=3), loss="mse")
+    with pytest.raises(RuntimeError, match="TensorFlow or PyTorch backend.*jax"):
+        ka.weigh_micro_batches(net)

@@ -1,0 +1,82 @@
+"""A `.keras` file saved mid-window on one backend loads with its state on
+another and trains on as the saving backend does.
+
+Run under each backend (`.ci/backends`), it saves on its own backend and
+loads on every other one that is installed, each in its own process.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_accum as ka
+
+BACKEND = keras.backend.backend()
+MODULES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
+OTHERS = [b for b in MODULES if b != BACKEND]
+
+OPTIMIZERS = {
+    "ga": lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4),
+    "ua": lambda: ka.UpdateAccumulationAdam(0.01, steps=4),
+    "ia": lambda: ka.InvariantAdam(
+        0.01, steps=ka.PiecewiseSteps([4], [4, 2]), scaling_rule="fixed_beta_1"
+    ),
+}
+
+CONTINUE = """
+import sys, numpy as np, keras, keras_accum
+x, y = np.load(sys.argv[2])["x"], np.load(sys.argv[2])["y"]
+model = keras.saving.load_model(sys.argv[1])
+assert model.optimizer.pending_micro_batches() == 2, model.optimizer.pending_micro_batches()
+model.fit(x[16:], y[16:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+np.savez(sys.argv[3], *model.get_weights(), iterations=int(model.optimizer.iterations))
+"""
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 5)).astype("float32")
+    return x, (x @ rng.normal(size=(5, 1))).astype("float32")
+
+
+def model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+    )
+
+
+@pytest.mark.parametrize("other", OTHERS)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_saved_mid_window_loads_on_another_backend(name, other, tmp_path):
+    if importlib.util.find_spec(MODULES[other]) is None:
+        pytest.skip(f"{other} is not installed (.ci/backends installs it)")
+    x, y = data()
+    net = model()
+    net.compile(optimizer=OPTIMIZERS[name](), loss="mse")
+    net.fit(x[:16], y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)  # mid-window
+    path, arrays, out = tmp_path / "mid.keras", tmp_path / "data.npz", tmp_path / "out.npz"
+    net.save(path)
+    np.savez(arrays, x=x, y=y)
+    env = dict(os.environ, KERAS_BACKEND=other, TF_CPP_MIN_LOG_LEVEL="2")
+    run = subprocess.run(
+        [sys.executable, "-c", CONTINUE, str(path), str(arrays), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    # The same continuation here, on the saving backend.
+    net.fit(x[16:], y[16:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    net.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    theirs = np.load(out)
+    assert int(theirs["iterations"]) == int(net.optimizer.iterations)
+    for i, ours in enumerate(net.get_weights()):
+        np.testing.assert_allclose(theirs[f"arr_{i}"], ours, rtol=1e-5, atol=1e-6)
