@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from keras import initializers, saving
 
-from keras_accum import _backend
+from keras_accum import _backend, diagnostics
 from keras_accum._backend import tf
 from keras_accum.schedules import PiecewiseSteps, StepsSchedule
 from keras_accum.validation import check_float, check_int
@@ -114,6 +114,7 @@ class AdaptiveSteps(StepsSchedule):
         min_observations: int = 4,
         warmup: PiecewiseSteps | None = None,
         powers_of_two: bool = False,
+        noise_estimate: Any = "b_simple",
     ):
         _backend.require_tensorflow("`AdaptiveSteps`")
         self._floor = check_int("min_steps", min_steps)
@@ -139,6 +140,17 @@ class AdaptiveSteps(StepsSchedule):
                 f"Received: min_steps={min_steps!r}, max_steps={max_steps!r}"
             )
         self.powers_of_two = bool(powers_of_two)
+        if isinstance(noise_estimate, str) and noise_estimate not in diagnostics.NOISE_ESTIMATES:
+            raise ValueError(
+                f"`noise_estimate` must be one of {sorted(diagnostics.NOISE_ESTIMATES)} or a "
+                f"callable. Received: noise_estimate={noise_estimate!r}"
+            )
+        if not isinstance(noise_estimate, str) and not callable(noise_estimate):
+            raise ValueError(
+                f"`noise_estimate` must be one of {sorted(diagnostics.NOISE_ESTIMATES)} or a "
+                f"callable. Received: noise_estimate={noise_estimate!r}"
+            )
+        self.noise_estimate = noise_estimate
         warmup_values = self.warmup.values if self.warmup else []
         self.min_steps = min([self._floor, *warmup_values])
         self.decisions: list[Decision] = []
@@ -194,6 +206,17 @@ class AdaptiveSteps(StepsSchedule):
             return steps
         step = tf.cast(micro_step, tf.int64)
         return tf.where(step < self.warmup.boundaries[-1], self.warmup(step), steps)
+
+    def squared_norm(self):
+        """The squared-norm function of `noise_estimate` for the optimizer
+        this schedule drives (built first)."""
+        self._check_built()
+        return diagnostics.noise_estimate_norm(self.noise_estimate, self._optimizer)
+
+    def noise_tracker(self, ema: float = 0.9) -> diagnostics.GradientNoiseScale:
+        """A `GradientNoiseScale(ema)` measuring in `noise_estimate`'s norm:
+        feed it probe windows, then `observe(tracker.b_simple)`."""
+        return diagnostics.GradientNoiseScale(ema, squared_norm=self.squared_norm())
 
     def propose(self, b_simple: Any) -> tf.Tensor:
         """The value `observe(b_simple)` would give `steps` (no state change)."""
@@ -275,6 +298,11 @@ class AdaptiveSteps(StepsSchedule):
             "min_observations": self.min_observations,
             "warmup": warmup,
             "powers_of_two": self.powers_of_two,
+            "noise_estimate": (
+                self.noise_estimate
+                if isinstance(self.noise_estimate, str)
+                else saving.serialize_keras_object(self.noise_estimate)
+            ),
         }
 
     @classmethod
@@ -293,14 +321,18 @@ class AdaptiveSteps(StepsSchedule):
             )
         if isinstance(config.get("warmup"), dict):
             config["warmup"] = saving.deserialize_keras_object(config["warmup"])
+        if isinstance(config.get("noise_estimate"), dict):
+            config["noise_estimate"] = saving.deserialize_keras_object(config["noise_estimate"])
         return cls(**config)
 
     def __repr__(self):
+        default = self.noise_estimate == "b_simple"
+        estimate = "" if default else f", noise_estimate={self.noise_estimate!r}"
         return (
             f"AdaptiveSteps(min_steps={self._floor}, max_steps={self.max_steps}, "
             f"micro_batch_size={self.micro_batch_size}, smoothing={self.smoothing}, "
             f"min_observations={self.min_observations}, warmup={self.warmup!r}, "
-            f"powers_of_two={self.powers_of_two})"
+            f"powers_of_two={self.powers_of_two}{estimate})"
         )
 
 

@@ -51,24 +51,92 @@ from keras_accum import _tensors
 from keras_accum._backend import tf
 
 
-def _sq_norm_one(g):
+def _sq_norm_one(g, weight=None):
     if g is None:
         return tf.constant(0.0, tf.float32)
     if isinstance(g, tf.IndexedSlices):
         # Rows with repeated indices add up in the dense gradient: sum them
         # per row before squaring, |a + b|^2 != |a|^2 + |b|^2.
         unique, pos = tf.unique(g.indices)
-        g = tf.math.unsorted_segment_sum(g.values, pos, tf.shape(unique)[0])
-    return tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+        values = tf.math.unsorted_segment_sum(g.values, pos, tf.shape(unique)[0])
+        if weight is not None:
+            weight = tf.gather(weight, unique)
+        g = values
+    square = tf.square(tf.cast(g, tf.float32))
+    if weight is not None:
+        square = square * tf.cast(weight, tf.float32)
+    return tf.reduce_sum(square)
 
 
-def squared_norm(grads: Sequence[Any]) -> tf.Tensor:
+def squared_norm(grads: Sequence[Any], weights: Sequence[Any] | None = None) -> tf.Tensor:
     """Sum of squared entries of a list of gradients, as float32.
 
     `None` entries count as zero; `tf.IndexedSlices` count as their dense
-    equivalent (duplicate indices summed).
+    equivalent (duplicate indices summed). `weights` (optional, one tensor
+    per gradient, the variable's shape) gives sum w g^2, the squared norm in
+    the metric diag(w).
     """
-    return tf.add_n([_sq_norm_one(g) for g in grads] or [tf.constant(0.0)])
+    weights = [None] * len(grads) if weights is None else list(weights)
+    terms = [_sq_norm_one(g, w) for g, w in zip(grads, weights)]
+    return tf.add_n(terms or [tf.constant(0.0)])
+
+
+def euclidean_noise_norm(optimizer: Any = None):
+    """The plain B_simple's squared norm, sum g^2 (`optimizer` unused)."""
+    del optimizer
+    return squared_norm
+
+
+def adam_preconditioned_noise_norm(optimizer: Any):
+    """sum g^2 / (sqrt(v_hat) + epsilon) with the second moments of the
+    built Adam-like `optimizer` (read at each call): the squared norm in
+    coordinates theta' = P^(1/2) theta, P = diag(sqrt(v_hat) + epsilon),
+    where Adam's step with P frozen is plain SGD (the change of variables of
+    the preconditioned sharpness lambda_max(P^-1 H), ALGORITHMS.md section
+    7). B_simple in that norm is tr(P^-1 Sigma) / (G^T P^-1 G), McCandlish
+    et al.'s B_simple of the SGD the optimizer runs. Before the first update
+    (v = 0, no bias correction yet) the weights are uniform (1 / epsilon),
+    which gives the plain B_simple."""
+    from keras_accum import sharpness  # late: only this estimate needs it
+
+    epsilon = float(getattr(optimizer, "inner_optimizer", optimizer).epsilon)
+
+    def norm(grads):
+        inverse_roots = sharpness.adam_preconditioner(optimizer)  # 1 / sqrt(sqrt(v_hat) + eps)
+        weights = [
+            tf.where(tf.math.is_finite(p), tf.square(p), 1.0 / epsilon) for p in inverse_roots
+        ]
+        return squared_norm(grads, weights)
+
+    return norm
+
+
+# name -> factory(optimizer) -> squared_norm(grads): the norm a noise-scale
+# estimate measures gradients in (`GradientNoiseScale(squared_norm=...)`,
+# `AdaptiveSteps(noise_estimate=...)`).
+NOISE_ESTIMATES = {
+    "b_simple": euclidean_noise_norm,
+    "adam_preconditioned": adam_preconditioned_noise_norm,
+}
+
+
+def noise_estimate_norm(noise_estimate: Any, optimizer: Any = None):
+    """The squared-norm function of `noise_estimate` (a `NOISE_ESTIMATES`
+    name, or a factory `fn(optimizer) -> fn(grads) -> scalar`) for
+    `optimizer`."""
+    if isinstance(noise_estimate, str):
+        if noise_estimate not in NOISE_ESTIMATES:
+            raise ValueError(
+                f"`noise_estimate` must be one of {sorted(NOISE_ESTIMATES)} or a callable. "
+                f"Received: noise_estimate={noise_estimate!r}"
+            )
+        noise_estimate = NOISE_ESTIMATES[noise_estimate]
+    if not callable(noise_estimate):
+        raise ValueError(
+            f"`noise_estimate` must be one of {sorted(NOISE_ESTIMATES)} or a callable. "
+            f"Received: noise_estimate={noise_estimate!r}"
+        )
+    return noise_estimate(optimizer)
 
 
 def _check_sizes(small_batch, big_batch):
@@ -135,13 +203,17 @@ class GradientNoiseScale(tf.Module):
 
     Args:
         ema: decay in [0, 1); 0 keeps only the last window.
+        squared_norm: the norm gradients are measured in, a function of a
+            gradient list (default: the Euclidean `squared_norm`; e.g.
+            `adam_preconditioned_noise_norm(optimizer)`).
     """
 
-    def __init__(self, ema: float = 0.95, name: str | None = None):
+    def __init__(self, ema: float = 0.95, name: str | None = None, squared_norm=None):
         super().__init__(name=name)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"`ema` must be in [0, 1). Received: ema={ema}")
         self.ema = float(ema)
+        self._squared_norm = squared_norm or globals()["squared_norm"]
         with self.name_scope:
             self.updates = tf.Variable(0, dtype=tf.int64, name="updates", trainable=False)
             self.trace_sigma_acc = tf.Variable(0.0, name="trace_sigma_acc", trainable=False)
@@ -179,8 +251,9 @@ class GradientNoiseScale(tf.Module):
             raise ValueError(
                 f"`micro_grads` needs at least 2 micro-batches. Received: len(micro_grads)={kappa}"
             )
-        small = tf.add_n([squared_norm(g) for g in micro_grads]) / kappa
-        big = squared_norm([_mean_grad(col) for col in zip(*micro_grads)])
+        norm = self._squared_norm
+        small = tf.add_n([norm(g) for g in micro_grads]) / kappa
+        big = norm([_mean_grad(col) for col in zip(*micro_grads)])
         return self.update(small, big, micro_batch_size, kappa * micro_batch_size)
 
     def _correction(self):

@@ -11,7 +11,7 @@ import tensorflow as tf
 from test_fit_and_saving import X, Y, build_model
 
 import keras_accum as ka
-from keras_accum import schedules
+from keras_accum import schedules, sharpness
 
 NAN, INF = float("nan"), float("inf")
 
@@ -291,3 +291,66 @@ def test_a_current_config_loads_without_a_warning(recwarn):
     loaded = ka.AdaptiveSteps.from_config(config)
     assert loaded.get_config() == config
     assert not [w for w in recwarn.list if "0.2.0" in str(w.message)]
+
+
+# -- the pluggable noise-scale estimate -----------------------------------------
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_tests")
+def halved_norm(optimizer):
+    """A noise-estimate factory: half the Euclidean squared norm."""
+    del optimizer
+    return lambda grads: 0.5 * ka.diagnostics.squared_norm(grads)
+
+
+def test_noise_estimate_default_and_round_trip():
+    assert ka.AdaptiveSteps().noise_estimate == "b_simple"
+    for estimate in ("b_simple", "adam_preconditioned", halved_norm):
+        schedule = ka.AdaptiveSteps(1, 8, 16, noise_estimate=estimate)
+        config = schedule.get_config()
+        clone = ka.AdaptiveSteps.from_config(config)
+        assert clone.get_config() == config
+        assert (clone.noise_estimate is halved_norm) or clone.noise_estimate == estimate
+        assert repr(clone) == repr(schedule)
+    # A config saved before the argument existed loads with the default.
+    old = ka.AdaptiveSteps(1, 8, 16).get_config()
+    del old["noise_estimate"]
+    assert ka.AdaptiveSteps.from_config(old).noise_estimate == "b_simple"
+
+
+@pytest.mark.parametrize("bad", ["adam", 3])
+def test_noise_estimate_refuses_unknown_names(bad):
+    with pytest.raises(ValueError, match="noise_estimate"):
+        ka.AdaptiveSteps(1, 8, 16, noise_estimate=bad)
+
+
+def _micro_grads(rng, shapes, kappa):
+    return [[tf.constant(rng.normal(size=s), tf.float32) for s in shapes] for _ in range(kappa)]
+
+
+def test_adam_preconditioned_estimate_is_b_simple_in_the_whitened_norm():
+    """sum g^2 / (sqrt(v_hat) + eps) with the optimizer's v: B_simple of
+    the gradients divided by sqrt(sqrt(v_hat) + eps), and the plain B_simple
+    before any update (v = 0: uniform weights)."""
+    rng = np.random.default_rng(0)
+    shapes = [(3, 2), (2,)]
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in shapes]
+    schedule = ka.AdaptiveSteps(1, 8, 4, noise_estimate="adam_preconditioned")
+    opt = ka.InvariantAdam(0.01, steps=schedule, scaling_rule="fixed_beta_1")
+    opt.build(variables)
+    micro = _micro_grads(rng, shapes, 4)
+
+    def b_simple(tracker, grads):
+        tracker.update_from_micro_grads(grads, 4)
+        return float(tracker.b_simple)
+
+    plain = b_simple(ka.diagnostics.GradientNoiseScale(0.0), micro)
+    assert b_simple(schedule.noise_tracker(0.0), micro) == pytest.approx(plain, rel=1e-5)
+    for _ in range(3):  # v from three updates
+        opt.apply([tf.constant(rng.normal(size=s) * 3, tf.float32) for s in shapes], variables)
+    scales = sharpness.adam_preconditioner(opt)  # 1 / sqrt(sqrt(v_hat) + eps)
+    whitened = [[g * p for g, p in zip(grads, scales)] for grads in micro]
+    expected = b_simple(ka.diagnostics.GradientNoiseScale(0.0), whitened)
+    got = b_simple(schedule.noise_tracker(0.0), micro)
+    assert got == pytest.approx(expected, rel=1e-4)
+    assert got != pytest.approx(plain, rel=1e-2)  # the norm matters here

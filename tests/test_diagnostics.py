@@ -96,6 +96,22 @@ def test_indexed_slices_norm_equals_dense():
         )
 
 
+def test_weighted_norm_is_sum_w_g2_for_dense_and_indexed_slices():
+    """squared_norm(grads, weights) = sum w g^2, sparse rows summed first."""
+    sparse = _sparse()
+    dense = tf.convert_to_tensor(sparse)
+    w = tf.constant(np.arange(1, 9, dtype="float32").reshape(dense.shape))
+    expected = float(tf.reduce_sum(w * dense**2))
+    np.testing.assert_allclose(float(squared_norm([sparse], [w])), expected, rtol=1e-6)
+    np.testing.assert_allclose(float(squared_norm([dense], [w])), expected, rtol=1e-6)
+    tracker = GradientNoiseScale(0.0, squared_norm=lambda g: 2.0 * squared_norm(g))
+    plain = GradientNoiseScale(0.0)
+    for t in (tracker, plain):
+        t.update_from_micro_grads([[dense], [2 * dense + 1]], 2)
+    np.testing.assert_allclose(float(tracker.g2), 2 * float(plain.g2), rtol=1e-6)
+    np.testing.assert_allclose(float(tracker.b_simple), float(plain.b_simple), rtol=1e-6)
+
+
 def test_tracker_matches_numpy_bias_corrected_ema():
     ema, b, B = 0.8, 2, 8
     rng = np.random.default_rng(1)
