@@ -11,6 +11,9 @@ import keras
 
 BACKEND = keras.backend.backend()
 IS_TENSORFLOW = BACKEND == "tensorflow"
+# The counters' integer dtype, as Keras's `iterations`: int64 under
+# TensorFlow and int32 under JAX (without x64) and PyTorch.
+INT = keras.backend.standardize_dtype("int")
 
 
 class _TensorFlowOnly(type):

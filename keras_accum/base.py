@@ -107,13 +107,13 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         # What a saved, never-built instance holds (see `load_own_variables`).
         self._unbuilt_count = len(self.variables)
         super().build(var_list)
-        counter = dict(dtype="int64", aggregation="only_first_replica")
+        counter = dict(dtype=_backend.INT, aggregation="only_first_replica")
         self._micro_step = self.add_variable((), name="micro_step", **counter)
         self._skipped_micro_batches = self.add_local_variable(
-            (), dtype="int64", name="skipped_micro_batches"
+            (), dtype=_backend.INT, name="skipped_micro_batches"
         )
         self._skipped_updates = self.add_variable((), name="skipped_updates", **counter)
-        self._window_bad = self.add_local_variable((), dtype="int64", name="window_bad")
+        self._window_bad = self.add_local_variable((), dtype=_backend.INT, name="window_bad")
         self._build_window()
 
     def add_local_variable(self, shape, dtype, name, reference=None):
@@ -144,7 +144,7 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
 
     def _counter(self, name):
         counter = getattr(self, name, None)
-        return ops.convert_to_tensor(0, "int64") if counter is None else counter
+        return ops.convert_to_tensor(0, _backend.INT) if counter is None else counter
 
     def pending_micro_batches(self) -> int:
         """Micro-batches (per replica) folded into the current window and

@@ -7,6 +7,7 @@ import keras
 from keras import ops, saving
 
 from keras_accum import (
+    _backend,
     _compat,
     _execution,
     _replicas,
@@ -311,7 +312,7 @@ class InvariantAdam(AdamFamily):
         if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
             # A schedule written for kappa = 1 sees the micro-batches consumed
             # over all replicas before this window.
-            window = ops.cast(self.window_steps, "int64")
+            window = ops.cast(self.window_steps, _backend.INT)
             before = (ops.convert_to_tensor(self._micro_step) - window) * replicas
             learning_rate = schedule(before)
         else:

@@ -76,9 +76,9 @@ def apply(optimizer, grads, variables, weight, overwrite):
                 )
             ok = True
         else:
-            bad = 1 - flag(ok, "int64")
+            bad = 1 - flag(ok, _backend.INT)
             optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + bad)
-            window_bad = masked(start, ops.zeros((), "int64"), optimizer._window_bad)
+            window_bad = masked(start, ops.zeros((), _backend.INT), optimizer._window_bad)
             optimizer._window_bad.assign(window_bad + bad)
     optimizer._portable_fold(grads, variables, weight, start, ok)
     micro_step = ops.convert_to_tensor(optimizer._micro_step) + 1
@@ -96,7 +96,7 @@ def end_window(optimizer, variables, boundary):
     keep = boundary if window_ok is True else ops.logical_and(boundary, window_ok)
     if window_ok is not True:
         dropped = ops.logical_and(boundary, ops.logical_not(window_ok))
-        optimizer._skipped_updates.assign(optimizer._skipped_updates + flag(dropped, "int64"))
+        optimizer._skipped_updates.assign(optimizer._skipped_updates + flag(dropped, _backend.INT))
         optimizer._portable_drop(dropped)
     optimizer._portable_update(variables, keep)
     if optimizer._portable_steps_inner:

@@ -29,6 +29,7 @@ from typing import Any
 
 from keras import ops, saving
 
+from keras_accum import _backend
 from keras_accum.validation import check_int, is_integer
 
 
@@ -98,13 +99,13 @@ class PiecewiseSteps(StepsSchedule):
         self.min_steps, self.max_steps = min(self.values), max(self.values)
 
     def __call__(self, micro_step):
-        step = ops.cast(micro_step, "int64")
-        values = ops.convert_to_tensor(self.values, "int64")
+        step = ops.cast(micro_step, _backend.INT)
+        values = ops.convert_to_tensor(self.values, _backend.INT)
         if not self.boundaries:
             return values[0]
         # i = number of boundaries <= s
-        boundaries = ops.convert_to_tensor(self.boundaries, "int64")
-        index = ops.sum(ops.cast(ops.less_equal(boundaries, step), "int64"))
+        boundaries = ops.convert_to_tensor(self.boundaries, _backend.INT)
+        index = ops.sum(ops.cast(ops.less_equal(boundaries, step), _backend.INT))
         return ops.take(values, index)
 
     def get_config(self):

@@ -5,6 +5,7 @@ from typing import Any
 from keras import ops, saving
 
 from keras_accum import (
+    _backend,
     _compat,
     _execution,
     _replicas,
@@ -83,7 +84,7 @@ class UpdateAccumulationAdam(AdamFamily):
         super().build(var_list)
         self._moment_steps = self.add_variable(
             (),
-            dtype="int64",
+            dtype=_backend.INT,
             aggregation="only_first_replica",
             name="moment_steps",
         )
@@ -209,7 +210,7 @@ class UpdateAccumulationAdam(AdamFamily):
             grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
         grads = self._clip_micro_batch(grads, 1)
         # t = micro-steps folded into the moments so far (a skip adds none)
-        t = ops.convert_to_tensor(self._moment_steps) + portable.flag(ok, "int64")
+        t = ops.convert_to_tensor(self._moment_steps) + portable.flag(ok, _backend.INT)
         self._moment_steps.assign(t)
         count = ops.maximum(t, 1)
         learning_rate = self.learning_rate

@@ -15,6 +15,7 @@ import weakref
 
 from keras import ops
 
+from keras_accum import _backend
 from keras_accum.schedules import StepsSchedule
 
 
@@ -36,7 +37,7 @@ class WindowMixin:
         fixed when the window starts (checkpointed), and its own state."""
         if not isinstance(self.steps, StepsSchedule):
             return
-        counter = dict(dtype="int64", aggregation="only_first_replica")
+        counter = dict(dtype=_backend.INT, aggregation="only_first_replica")
         self._window_size = self.add_variable((), name="window_steps", **counter)
         self._window_end = self.add_variable((), name="window_end", **counter)
         self.steps.build(self)
