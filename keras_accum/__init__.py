@@ -46,7 +46,7 @@ from keras_accum.update_accumulation_adam import (  # noqa: E402
 )
 from keras_accum.weighing import weigh_micro_batches  # noqa: E402
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = [
     "AdaptiveSteps",
     "GradientAccumulation",

@@ -108,3 +108,13 @@ def test_every_public_name_has_a_docstring():
 def test_api_page_lists_every_public_module():
     listed = re.findall(r"^   (keras_accum[\w.]*)$", _read("docs", "api.rst"), re.M)
     assert listed == list(public_api.PUBLIC_MODULES)
+
+
+def test_version_is_one_number_everywhere():
+    """setup.cfg's version is the package's `__version__` and the newest
+    release the CHANGELOG describes."""
+    import keras_accum
+
+    declared = re.search(r"^version = (\S+)$", _read("setup.cfg"), re.M).group(1)
+    newest = re.search(r"^## (\d+\.\d+\.\d+)", _read("CHANGELOG.md"), re.M).group(1)
+    assert declared == keras_accum.__version__ == newest
