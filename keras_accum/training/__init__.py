@@ -13,14 +13,19 @@
   (`python -m keras_accum.training.multiworker`).
 """
 
-from keras_accum.training.checkpoints import CheckpointError
-from keras_accum.training.controller import Controller, train
-from keras_accum.training.distribute import (
+from keras_accum import _backend
+
+# tf.distribute, tf.function and tf.train.Checkpoint: one line elsewhere.
+_backend.require_tensorflow("The custom loop (`keras_accum.training`)")
+
+from keras_accum.training.checkpoints import CheckpointError  # noqa: E402
+from keras_accum.training.controller import Controller, train  # noqa: E402
+from keras_accum.training.distribute import (  # noqa: E402
     WorkerLostError,
     is_chief,
     strategy_from_environment,
 )
-from keras_accum.training.trainer import LAST_BATCH_POLICIES, Trainer, peek_batch_size
+from keras_accum.training.trainer import LAST_BATCH_POLICIES, Trainer, peek_batch_size  # noqa: E402
 
 __all__ = [
     "CheckpointError",

@@ -334,3 +334,12 @@ def test_weigh_micro_batches_refused_under_jax():
     net.compile(optimizer=ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=3), loss="mse")
     with pytest.raises(RuntimeError, match="TensorFlow or PyTorch backend.*jax"):
         ka.weigh_micro_batches(net)
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow runs them")
+@pytest.mark.parametrize("module", ["keras_accum.training", "keras_accum.experiments"])
+def test_tensorflow_only_packages_say_so_at_import(module):
+    import importlib
+
+    with pytest.raises(RuntimeError, match=f"needs the TensorFlow backend.*{BACKEND}"):
+        importlib.import_module(module)
