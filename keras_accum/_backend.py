@@ -47,7 +47,7 @@ def require_tensorflow(feature):
 
 
 def wide_float():
-    """"float64", or "float32" under JAX without `jax_enable_x64` (where a
+    """ "float64", or "float32" under JAX without `jax_enable_x64` (where a
     float64 variable would silently hold float32): the dtype of state kept
     wide for exact sums (`AdaptiveSteps`)."""
     if BACKEND == "jax":
