@@ -49,6 +49,18 @@ def require_tensorflow(feature):
         )
 
 
+def wide_float():
+    """ "float64", or "float32" under JAX without `jax_enable_x64` (where a
+    float64 variable would silently hold float32): the dtype of state kept
+    wide for exact sums (`AdaptiveSteps`)."""
+    if BACKEND == "jax":
+        import jax
+
+        if not jax.config.jax_enable_x64:
+            return "float32"
+    return "float64"
+
+
 def executing_eagerly():
     """False while TensorFlow traces a graph; True under JAX and PyTorch,
     whose Python runs the steps it calls (JAX's `jit` traces, but Keras

@@ -13,10 +13,10 @@ import math
 import warnings
 from typing import Any, NamedTuple
 
-from keras import initializers, saving
+import numpy as np
+from keras import initializers, ops, saving
 
 from keras_accum import _backend, diagnostics
-from keras_accum._backend import tf
 from keras_accum.schedules import PiecewiseSteps, StepsSchedule
 from keras_accum.validation import check_float, check_int
 
@@ -68,8 +68,13 @@ class AdaptiveSteps(StepsSchedule):
     The state is optimizer variables (`adaptive_steps`: the size from the
     handover on, `adaptive_ema`: a_n, `adaptive_observations`: n), saved and
     restored with the optimizer; the same estimates give the same decisions.
-    Call `observe` after the optimizer is built, eagerly or in a
-    `tf.function`. Each eager call appends a `Decision` to `decisions` (this
+    `adaptive_ema` is float64, except under JAX without `jax_enable_x64`
+    (float32 there: JAX has no float64 then). It runs on every backend
+    (`keras.ops`). Call `observe` after the optimizer is built, eagerly or
+    in a `tf.function`; under JAX, outside the jitted step: from a
+    `model.fit` callback, after reading `self.model` (which writes the
+    training state back into the variables, and has the next step read
+    them again). Each eager call appends a `Decision` to `decisions` (this
     object's calls; not saved) and logs it (Python `logging`, INFO, logger
     `keras_accum.schedules`).
 
@@ -116,7 +121,6 @@ class AdaptiveSteps(StepsSchedule):
         powers_of_two: bool = False,
         noise_estimate: Any = "b_simple",
     ):
-        _backend.require_tensorflow("`AdaptiveSteps`")
         self._floor = check_int("min_steps", min_steps)
         self.max_steps = check_int("max_steps", max_steps)
         if self.max_steps < self._floor:
@@ -156,6 +160,7 @@ class AdaptiveSteps(StepsSchedule):
         self.decisions: list[Decision] = []
         self._steps = None
         self._optimizer = None
+        self._float = "float64"
 
     def build(self, optimizer: Any) -> None:
         if self._optimizer is not None and self._optimizer is not optimizer:
@@ -177,8 +182,9 @@ class AdaptiveSteps(StepsSchedule):
         after_warmup = self.warmup.values[-1] if self.warmup else 0
         self._steps = add("adaptive_steps", "int64", max(self._floor, after_warmup))
         # float64: the same sums as a float64 reference, and no rounding of
-        # large estimates.
-        self._ema = add("adaptive_ema", "float64", 0.0)
+        # large estimates (float32 under JAX without x64, which has none).
+        self._float = _backend.wide_float()
+        self._ema = add("adaptive_ema", self._float, 0.0)
         self._count = add("adaptive_observations", "int64", 0)
 
     @property
@@ -194,18 +200,18 @@ class AdaptiveSteps(StepsSchedule):
         return self._count
 
     @property
-    def smoothed(self) -> tf.Tensor:
+    def smoothed(self) -> Any:
         """The bias-corrected average B_n (float64; nan before any estimate)."""
         self._check_built()
-        return self._average(self._ema, self._count)
+        return self._average(ops.convert_to_tensor(self._ema), ops.convert_to_tensor(self._count))
 
-    def __call__(self, micro_step: Any) -> tf.Tensor:
+    def __call__(self, micro_step: Any) -> Any:
         self._check_built()
-        steps = tf.convert_to_tensor(self._steps)
+        steps = ops.convert_to_tensor(self._steps)
         if self.warmup is None:
             return steps
-        step = tf.cast(micro_step, tf.int64)
-        return tf.where(step < self.warmup.boundaries[-1], self.warmup(step), steps)
+        step = ops.cast(micro_step, steps.dtype)
+        return ops.where(step < self.warmup.boundaries[-1], self.warmup(step), steps)
 
     def squared_norm(self):
         """The squared-norm function of `noise_estimate` for the optimizer
@@ -218,12 +224,12 @@ class AdaptiveSteps(StepsSchedule):
         feed it probe windows, then `observe(tracker.b_simple)`."""
         return diagnostics.GradientNoiseScale(ema, squared_norm=self.squared_norm())
 
-    def propose(self, b_simple: Any) -> tf.Tensor:
+    def propose(self, b_simple: Any) -> Any:
         """The value `observe(b_simple)` would give `steps` (no state change)."""
         self._check_built()
         return self._fold(b_simple)[3]
 
-    def observe(self, b_simple: Any) -> tf.Tensor:
+    def observe(self, b_simple: Any) -> Any:
         """Folds in one noise-scale estimate; returns the size of a window
         starting at the optimizer's current micro-step."""
         self._check_built()
@@ -233,39 +239,52 @@ class AdaptiveSteps(StepsSchedule):
         self._steps.assign(steps)
         micro_step = self._optimizer.micro_step
         size = self(micro_step)
-        if tf.executing_eagerly():
-            self._record(int(micro_step), float(b_simple), float(smoothed), int(count), int(size))
+        if _backend.executing_eagerly() and _backend.is_concrete(size):
+            self._record(
+                int(_number(micro_step)),
+                float(_number(b_simple)),
+                float(_number(smoothed)),
+                int(_number(count)),
+                int(_number(size)),
+            )
         return size
 
     def _fold(self, b_simple):
         """(a_n, n, B_n, decided) after `b_simple`, as tensors."""
-        f64 = lambda x: tf.constant(x, tf.float64)  # traced, a Python float is float32
-        b = tf.cast(b_simple, tf.float64)
-        finite = tf.logical_not(tf.math.is_nan(b))
-        largest = f64(self.max_steps * self.micro_batch_size)
-        clipped = tf.clip_by_value(tf.where(finite, b, f64(0.0)), f64(0.0), largest)
-        ema = tf.convert_to_tensor(self._ema)
-        ema = tf.where(finite, f64(self.smoothing) * ema + f64(1.0 - self.smoothing) * clipped, ema)
-        count = tf.convert_to_tensor(self._count) + tf.cast(finite, tf.int64)
+        wide = self._constant  # traced, a Python float is float32
+        b = ops.cast(b_simple, self._float)
+        finite = ops.logical_not(ops.isnan(b))
+        largest = wide(self.max_steps * self.micro_batch_size)
+        clipped = ops.clip(ops.where(finite, b, wide(0.0)), wide(0.0), largest)
+        ema = ops.convert_to_tensor(self._ema)
+        ema = ops.where(
+            finite, wide(self.smoothing) * ema + wide(1.0 - self.smoothing) * clipped, ema
+        )
+        count = ops.convert_to_tensor(self._count)
+        count = count + ops.cast(finite, count.dtype)
         smoothed = self._average(ema, count)
-        target = tf.math.ceil(smoothed / self.micro_batch_size)
+        target = ops.ceil(smoothed / self.micro_batch_size)
         if self.powers_of_two:  # 2 ** ceil(log2(target)), exact for powers of two
-            exponent = tf.math.ceil(tf.math.log(tf.maximum(target, f64(1.0))) / math.log(2) - 1e-9)
-            target = tf.pow(f64(2.0), exponent)
-        target = tf.clip_by_value(target, f64(self._floor), f64(self.max_steps))
+            exponent = ops.ceil(ops.log(ops.maximum(target, wide(1.0))) / math.log(2) - 1e-9)
+            target = ops.power(wide(2.0), exponent)
+        target = ops.clip(target, wide(self._floor), wide(self.max_steps))
         # Unsettled (this includes no estimate yet, B_n nan): no change.
-        target = tf.where(count >= self.min_observations, target, f64(0.0))
-        decided = tf.maximum(tf.convert_to_tensor(self._steps), tf.cast(target, tf.int64))
+        target = ops.where(count >= self.min_observations, target, wide(0.0))
+        steps = ops.convert_to_tensor(self._steps)
+        # Cast back: Keras's PyTorch `maximum` gives int32 for two int64.
+        decided = ops.cast(ops.maximum(steps, ops.cast(target, steps.dtype)), steps.dtype)
         return ema, count, smoothed, decided
+
+    def _constant(self, value):
+        return ops.convert_to_tensor(value, self._float)
 
     def _average(self, ema, count):
         """B_n = a_n / (1 - s ** n), nan for n = 0."""
+        wide = self._constant
         some = count > 0
-        correction = 1.0 - tf.pow(
-            tf.constant(self.smoothing, tf.float64), tf.cast(count, tf.float64)
-        )
-        correction = tf.where(some, correction, tf.constant(1.0, tf.float64))
-        return tf.where(some, ema / correction, tf.constant(math.nan, tf.float64))
+        correction = 1.0 - ops.power(wide(self.smoothing), ops.cast(count, self._float))
+        correction = ops.where(some, correction, wide(1.0))
+        return ops.where(some, ema / correction, wide(math.nan))
 
     def _record(self, micro_step, b_simple, smoothed, count, size):
         if self.warmup is not None and micro_step < self.warmup.boundaries[-1]:
@@ -339,6 +358,14 @@ class AdaptiveSteps(StepsSchedule):
 # The rule of 0.2.0 (each estimate taken as it came) and today's defaults.
 OLD_RULE = {"smoothing": 0.0, "min_observations": 1}
 NEW_DEFAULTS = {"smoothing": 0.9, "min_observations": 4}
+
+
+def _number(value):
+    """A concrete scalar (Python number, tensor or variable) as a Python
+    number; a Python or numpy number as it is (no rounding to float32)."""
+    if isinstance(value, (int, float, np.number, np.ndarray)):
+        return np.asarray(value).item()
+    return np.asarray(ops.convert_to_numpy(value)).item()
 
 
 def _kwargs(values):

@@ -37,24 +37,45 @@ Example::
 or, with `model.fit`, `NoiseScaleCallback((x_probe, y_probe),
 micro_batch_size=32, kappa=8)`, which logs `noise_scale`, `trace_sigma` and
 `grad_sq_norm`.
+
+Every backend runs it (`keras.ops`; the probe's gradients come from
+`keras_accum._gradients`). TensorFlow alone adds sparse `IndexedSlices`
+gradients, a `tf.data.Dataset` as the callback's data, and a
+`GradientNoiseScale` that is a `tf.Module` (`tf.train.Checkpoint`); under
+JAX and PyTorch its state is `keras.Variable`s.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 import numpy as np
+from keras import ops
 
-from keras_accum import _tensors
+from keras_accum import _backend, _gradients, _tensors
 from keras_accum._backend import tf
+
+
+def _add_n(terms):
+    """The sum of a list of tensors (`tf.add_n` under TensorFlow)."""
+    if _backend.IS_TENSORFLOW:
+        return tf.add_n(terms)
+    return functools.reduce(operator.add, terms)
+
+
+def _value(t):
+    """A variable's value, a tensor or a Python number as a tensor."""
+    return ops.convert_to_tensor(t)
 
 
 def _sq_norm_one(g, weight=None):
     if g is None:
-        return tf.constant(0.0, tf.float32)
-    if isinstance(g, tf.IndexedSlices):
+        return ops.zeros((), "float32")
+    if isinstance(g, tf.IndexedSlices):  # never, except under TensorFlow
         # Rows with repeated indices add up in the dense gradient: sum them
         # per row before squaring, |a + b|^2 != |a|^2 + |b|^2.
         unique, pos = tf.unique(g.indices)
@@ -62,13 +83,13 @@ def _sq_norm_one(g, weight=None):
         if weight is not None:
             weight = tf.gather(weight, unique)
         g = values
-    square = tf.square(tf.cast(g, tf.float32))
+    square = ops.square(ops.cast(g, "float32"))
     if weight is not None:
-        square = square * tf.cast(weight, tf.float32)
-    return tf.reduce_sum(square)
+        square = square * ops.cast(weight, "float32")
+    return ops.sum(square)
 
 
-def squared_norm(grads: Sequence[Any], weights: Sequence[Any] | None = None) -> tf.Tensor:
+def squared_norm(grads: Sequence[Any], weights: Sequence[Any] | None = None) -> Any:
     """Sum of squared entries of a list of gradients, as float32.
 
     `None` entries count as zero; `tf.IndexedSlices` count as their dense
@@ -78,7 +99,7 @@ def squared_norm(grads: Sequence[Any], weights: Sequence[Any] | None = None) -> 
     """
     weights = [None] * len(grads) if weights is None else list(weights)
     terms = [_sq_norm_one(g, w) for g, w in zip(grads, weights)]
-    return tf.add_n(terms or [tf.constant(0.0)])
+    return _add_n(terms or [ops.zeros((), "float32")])
 
 
 def euclidean_noise_norm(optimizer: Any = None):
@@ -103,9 +124,7 @@ def adam_preconditioned_noise_norm(optimizer: Any):
 
     def norm(grads):
         inverse_roots = sharpness.adam_preconditioner(optimizer)  # 1 / sqrt(sqrt(v_hat) + eps)
-        weights = [
-            tf.where(tf.math.is_finite(p), tf.square(p), 1.0 / epsilon) for p in inverse_roots
-        ]
+        weights = [ops.where(ops.isfinite(p), ops.square(p), 1.0 / epsilon) for p in inverse_roots]
         return squared_norm(grads, weights)
 
     return norm
@@ -139,8 +158,20 @@ def noise_estimate_norm(noise_estimate: Any, optimizer: Any = None):
     return noise_estimate(optimizer)
 
 
+def _static(value):
+    """`value`'s number when known now (a Python number, a constant, an
+    eager tensor), else None (traced)."""
+    if isinstance(value, (int, float, np.number)):
+        return value
+    if _backend.IS_TENSORFLOW:
+        return tf.get_static_value(value)
+    if not _backend.is_concrete(value):
+        return None
+    return np.asarray(ops.convert_to_numpy(value))
+
+
 def _check_sizes(small_batch, big_batch):
-    b, B = tf.get_static_value(small_batch), tf.get_static_value(big_batch)
+    b, B = _static(small_batch), _static(big_batch)
     if b is not None and not b > 0:
         raise ValueError(f"`small_batch` must be > 0. Received: small_batch={b}")
     if b is not None and B is not None and not B > b:
@@ -151,7 +182,7 @@ def _check_sizes(small_batch, big_batch):
 
 def noise_scale_estimates(
     small_sq_norm: Any, big_sq_norm: Any, small_batch: float, big_batch: float
-) -> tuple[tf.Tensor, tf.Tensor]:
+) -> tuple[Any, Any]:
     """Unbiased one-window estimates ``(|G|^2, tr(Sigma))``.
 
     Args:
@@ -161,10 +192,10 @@ def noise_scale_estimates(
             are known at trace time (Python numbers, constants, eager).
     """
     _check_sizes(small_batch, big_batch)
-    s = tf.cast(small_sq_norm, tf.float32)
-    g = tf.cast(big_sq_norm, tf.float32)
-    b = tf.cast(small_batch, tf.float32)
-    B = tf.cast(big_batch, tf.float32)
+    s = ops.cast(small_sq_norm, "float32")
+    g = ops.cast(big_sq_norm, "float32")
+    b = ops.cast(small_batch, "float32")
+    B = ops.cast(big_batch, "float32")
     # |G|^2 = (B |g_B|^2 - b |g_b|^2) / (B - b)
     g2 = (B * g - b * s) / (B - b)
     # tr(Sigma) = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
@@ -184,13 +215,20 @@ def _mean_grad(column):
             tf.concat([g.indices for g in column], 0),
             column[0].dense_shape,
         )
-    return tf.add_n([tf.convert_to_tensor(g) for g in column]) / len(column)
+    return _add_n([ops.convert_to_tensor(g) for g in column]) / len(column)
 
 
-class GradientNoiseScale(tf.Module):
+# A `tf.Module` under TensorFlow (`tf.train.Checkpoint` finds its variables),
+# a plain object elsewhere.
+_Module = tf.Module if _backend.IS_TENSORFLOW else object
+
+
+class GradientNoiseScale(_Module):
     """Running B_simple from bias-corrected EMAs of ``|G|^2`` and tr(Sigma).
 
-    State (float32 variables, checkpointable with `tf.train.Checkpoint`):
+    State (float32 variables; under TensorFlow `tf.Variable`s of this
+    `tf.Module`, checkpointable with `tf.train.Checkpoint`, elsewhere
+    `keras.Variable`s; `updates` is int64, int32 under JAX without x64):
     `updates` (windows seen), `trace_sigma_acc` and `g2_acc` (raw EMAs,
     acc = ema * acc + (1 - ema) * x, starting from 0). Reported values are
     bias-corrected, acc / (1 - ema**updates), as in Adam, so the first
@@ -209,15 +247,22 @@ class GradientNoiseScale(tf.Module):
     """
 
     def __init__(self, ema: float = 0.95, name: str | None = None, squared_norm=None):
-        super().__init__(name=name)
+        if _backend.IS_TENSORFLOW:
+            super().__init__(name=name)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"`ema` must be in [0, 1). Received: ema={ema}")
         self.ema = float(ema)
         self._squared_norm = squared_norm or globals()["squared_norm"]
-        with self.name_scope:
-            self.updates = tf.Variable(0, dtype=tf.int64, name="updates", trainable=False)
-            self.trace_sigma_acc = tf.Variable(0.0, name="trace_sigma_acc", trainable=False)
-            self.g2_acc = tf.Variable(0.0, name="g2_acc", trainable=False)
+        if _backend.IS_TENSORFLOW:
+            with self.name_scope:
+                self.updates = tf.Variable(0, dtype=tf.int64, name="updates", trainable=False)
+                self.trace_sigma_acc = tf.Variable(0.0, name="trace_sigma_acc", trainable=False)
+                self.g2_acc = tf.Variable(0.0, name="g2_acc", trainable=False)
+        else:
+            make = functools.partial(keras.Variable, trainable=False)
+            self.updates = make(0, dtype="int64", name="updates")
+            self.trace_sigma_acc = make(0.0, dtype="float32", name="trace_sigma_acc")
+            self.g2_acc = make(0.0, dtype="float32", name="g2_acc")
 
     def update(
         self,
@@ -225,20 +270,20 @@ class GradientNoiseScale(tf.Module):
         window_grad_sq_norm: Any,
         micro_batch_size: float,
         window_size: float,
-    ) -> tf.Tensor:
+    ) -> Any:
         """Feeds one window: ``|g_b|^2``, ``|g_B|^2``, b, B. Returns `b_simple`."""
         g2, trace = noise_scale_estimates(
             micro_grads_sq_norm_mean, window_grad_sq_norm, micro_batch_size, window_size
         )
         # acc = ema * acc + (1 - ema) * x
-        self.trace_sigma_acc.assign_add((1.0 - self.ema) * (trace - self.trace_sigma_acc))
-        self.g2_acc.assign_add((1.0 - self.ema) * (g2 - self.g2_acc))
+        self.trace_sigma_acc.assign_add((1.0 - self.ema) * (trace - _value(self.trace_sigma_acc)))
+        self.g2_acc.assign_add((1.0 - self.ema) * (g2 - _value(self.g2_acc)))
         self.updates.assign_add(1)
         return self.b_simple
 
     def update_from_micro_grads(
         self, micro_grads: Sequence[Sequence[Any]], micro_batch_size: float
-    ) -> tf.Tensor:
+    ) -> Any:
         """Feeds one window from explicit gradients.
 
         Args:
@@ -252,29 +297,30 @@ class GradientNoiseScale(tf.Module):
                 f"`micro_grads` needs at least 2 micro-batches. Received: len(micro_grads)={kappa}"
             )
         norm = self._squared_norm
-        small = tf.add_n([norm(g) for g in micro_grads]) / kappa
+        small = _add_n([norm(g) for g in micro_grads]) / kappa
         big = norm([_mean_grad(col) for col in zip(*micro_grads)])
         return self.update(small, big, micro_batch_size, kappa * micro_batch_size)
 
     def _correction(self):
         # 1 - ema**t; 0 before any update, which makes every result nan.
-        return 1.0 - tf.pow(self.ema, tf.cast(self.updates, tf.float32))
+        return 1.0 - ops.power(self.ema, ops.cast(self.updates, "float32"))
 
     @property
-    def trace_sigma(self) -> tf.Tensor:
-        return self.trace_sigma_acc / self._correction()
+    def trace_sigma(self) -> Any:
+        return _value(self.trace_sigma_acc) / self._correction()
 
     @property
-    def g2(self) -> tf.Tensor:
-        return self.g2_acc / self._correction()
+    def g2(self) -> Any:
+        return _value(self.g2_acc) / self._correction()
 
     @property
-    def b_simple(self) -> tf.Tensor:
-        ratio = tf.math.divide_no_nan(self.trace_sigma_acc, self.g2_acc)
-        ratio = tf.where(self.g2_acc > 0, ratio, float("inf"))
-        return tf.where(self.updates > 0, ratio, float("nan"))
+    def b_simple(self) -> Any:
+        trace, g2 = _value(self.trace_sigma_acc), _value(self.g2_acc)
+        ratio = ops.divide_no_nan(trace, g2)
+        ratio = ops.where(g2 > 0, ratio, float("inf"))
+        return ops.where(_value(self.updates) > 0, ratio, float("nan"))
 
-    def result(self) -> dict[str, tf.Tensor]:
+    def result(self) -> dict[str, Any]:
         """Dict with `noise_scale`, `trace_sigma`, `grad_sq_norm` tensors."""
         return {
             "noise_scale": self.b_simple,
@@ -283,9 +329,22 @@ class GradientNoiseScale(tf.Module):
         }
 
 
+def _numpy(value):
+    """A variable's or a tensor's value as numpy."""
+    return ops.convert_to_numpy(ops.convert_to_tensor(value))
+
+
 def _map(fn, struct):
-    """`tf.nest.map_structure` that leaves `None` (no sample weight) alone."""
-    return tf.nest.map_structure(lambda t: None if t is None else fn(t), struct)
+    """`map_structure` that leaves `None` (no sample weight) alone."""
+    if _backend.IS_TENSORFLOW:
+        return tf.nest.map_structure(lambda t: None if t is None else fn(t), struct)
+    return keras.tree.map_structure(lambda t: None if t is None else fn(t), struct)
+
+
+def _flatten(struct):
+    if _backend.IS_TENSORFLOW:
+        return tf.nest.flatten(struct)
+    return keras.tree.flatten(struct)
 
 
 class NoiseScaleCallback(keras.callbacks.Callback):
@@ -303,7 +362,9 @@ class NoiseScaleCallback(keras.callbacks.Callback):
 
     Cost: each probe is kappa extra forward/backward passes on b examples
     (one training step's worth of compute when kappa * b equals the training
-    batch), run in a `tf.while_loop`, one micro-batch at a time, traced once.
+    batch), one micro-batch at a time: under TensorFlow in a
+    `tf.while_loop`, traced once; under JAX a jitted `jax.grad` of the
+    model's stateless loss, compiled once; under PyTorch eager autograd.
     Memory added: one parameter-sized buffer for the running sum of the
     micro-batch gradients plus a few scalars (and, transiently, one copy of
     the non-trainable and metric variables, see below: large if a frozen
@@ -312,7 +373,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
     Side effects are undone: the forward passes run with `training=True`
     (dropout on, batch norm in batch mode, as in `train_step`), and the
     non-trainable variables (batch norm statistics, RNG seeds) and metric
-    variables are restored after each probe.
+    variables are restored after each probe (under JAX never written: the
+    probe is stateless).
 
     Under `tf.distribute.MirroredStrategy` the probe runs, like every
     callback of `fit`, outside the strategy scope, in cross-replica context:
@@ -324,7 +386,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             kappa * b examples; each probe draws kappa * b of them at random
             without replacement. Or a `tf.data.Dataset` of such batches
             (each with at least kappa * b examples; the first kappa * b are
-            used), repeated as needed.
+            used), repeated as needed (TensorFlow only).
         micro_batch_size: b.
         kappa: micro-batches per probe (>= 2); B = kappa * b.
         every_n_batches: probe period, in `on_train_batch_end` calls (one per
@@ -358,20 +420,24 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             self._arrays, self._iterator = None, iter(data.repeat())
         else:
             self._arrays = _map(np.asarray, tuple(data))
-            size = len(tf.nest.flatten(self._arrays)[0])
+            size = len(_flatten(self._arrays)[0])
             if size < n:
                 raise ValueError(
                     "`data` must hold at least kappa * micro_batch_size = "
                     f"{n} examples. Received: {size} examples"
                 )
         self._seen = 0
-        # Explicit tf.while_loop below: no autograph needed.
-        self.probe_fn = tf.function(self._probe, autograph=False)
+        if _backend.IS_TENSORFLOW:
+            # Explicit tf.while_loop below: no autograph needed.
+            self.probe_fn = tf.function(self._probe, autograph=False)
+        else:
+            self.probe_fn = self._probe_portable
+            self._gradients = None
 
     def _next_probe(self):
         n = self.kappa * self.micro_batch_size
         if self._arrays is not None:
-            idx = self._rng.choice(len(tf.nest.flatten(self._arrays)[0]), n, replace=False)
+            idx = self._rng.choice(len(_flatten(self._arrays)[0]), n, replace=False)
             data = _map(lambda a: a[idx], self._arrays)
         else:
             data = next(self._iterator)
@@ -382,6 +448,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
                     f"micro_batch_size = {n} examples. Received: {size}"
                 )
             data = _map(lambda a: a[:n], data)
+        if not _backend.IS_TENSORFLOW:
+            return data  # numpy arrays, of one fixed shape: JAX compiles once
         # Tensors of one fixed shape: the tf.function traces once.
         return _map(tf.convert_to_tensor, data)
 
@@ -396,12 +464,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
 
         def body(i, small, acc):
             xi, yi, swi = _map(lambda t: t[i], (x, y, sw))
-            with tf.GradientTape() as tape:
-                y_pred = model(xi, training=True)
-                loss = model.compute_loss(
-                    x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=True
-                )
-            grads = tape.gradient(loss, weights)
+            grads = _gradients.tape_gradients(model, xi, yi, swi)
             grads = [
                 _tensors.zeros_like_state(w) if g is None else tf.convert_to_tensor(g)
                 for g, w in zip(grads, weights)
@@ -416,6 +479,21 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         )
         for v, s in zip(state, saved):
             v.assign(s)
+        # |g_b|^2 = mean_j |g_j|^2 ; |g_B|^2 = |sum_j g_j / kappa|^2
+        return self.tracker.update(small / kappa, squared_norm(acc) / kappa**2, b, kappa * b)
+
+    def _probe_portable(self, data):
+        """`_probe` under JAX and PyTorch: the micro-batches' gradients from
+        `keras_accum._gradients`, summed as they come."""
+        model, kappa, b = self.model, self.kappa, self.micro_batch_size
+        if self._gradients is None or self._gradients.model is not model:
+            self._gradients = _gradients.MicroBatchGradients(model)
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        batches = (_map(lambda t: t[i * b : (i + 1) * b], (x, y, sw)) for i in range(kappa))
+        small, acc = 0.0, None
+        for grads in self._gradients.gradients(batches):
+            small = small + squared_norm(grads)
+            acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
         # |g_b|^2 = mean_j |g_j|^2 ; |g_B|^2 = |sum_j g_j / kappa|^2
         return self.tracker.update(small / kappa, squared_norm(acc) / kappa**2, b, kappa * b)
 
@@ -436,9 +514,9 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         tracker = self.tracker
         return {
             "seen": self._seen,
-            "updates": int(tracker.updates.numpy()),
-            "trace_sigma_acc": float(tracker.trace_sigma_acc.numpy()),
-            "g2_acc": float(tracker.g2_acc.numpy()),
+            "updates": int(_numpy(tracker.updates)),
+            "trace_sigma_acc": float(_numpy(tracker.trace_sigma_acc)),
+            "g2_acc": float(_numpy(tracker.g2_acc)),
             "rng": self._rng.bit_generator.state,
         }
 

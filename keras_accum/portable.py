@@ -15,9 +15,9 @@ returns, as Keras's `LossScaleOptimizer` does; under PyTorch in an eager
 `if`.
 
 What TensorFlow alone offers (`tf.distribute`, sparse `IndexedSlices`
-gradients, XLA's resource kernels, `weigh_micro_batches`, `AdaptiveSteps`,
-the batch-norm layer, `rematerialize`, the custom loop) is refused here in
-one line naming the backend.
+gradients, XLA's resource kernels, `weigh_micro_batches` under JAX, the
+batch-norm layer, `rematerialize`, the custom loop) is refused here in one
+line naming the backend. `AdaptiveSteps` is `keras.ops` and runs here.
 """
 
 import warnings

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from keras import ops
+
 from keras_accum._backend import tf
 from keras_accum.scaling import scale_hyperparameters
 from keras_accum.update_accumulation_adam import UpdateAccumulationAdam
@@ -143,10 +145,15 @@ def adam_preconditioner(optimizer: Any, epsilon: float | None = None) -> list[tf
         )
     products = getattr(optimizer, "_beta_products", None)
     if getattr(optimizer, "scaling_rule", None) is not None and products:
-        correction = 1 - tf.cast(products[1], "float32")
+        correction = 1 - ops.cast(products[1], "float32")
     else:
         moves = "micro_step" if isinstance(optimizer, UpdateAccumulationAdam) else "iterations"
-        t = tf.cast(getattr(optimizer, moves), "float32")
-        correction = 1 - tf.pow(float(optimizer.beta_2), t)
+        t = ops.cast(getattr(optimizer, moves), "float32")
+        correction = 1 - ops.power(float(optimizer.beta_2), t)
     epsilon = optimizer.epsilon if epsilon is None else epsilon
-    return [1 / tf.sqrt(tf.sqrt(v / tf.cast(correction, v.dtype)) + epsilon) for v in velocities]
+    # keras.ops: this function (and so the "adam_preconditioned" noise
+    # estimate) runs on every backend; the rest of this module is TensorFlow.
+    return [
+        1 / ops.sqrt(ops.sqrt(ops.convert_to_tensor(v) / ops.cast(correction, v.dtype)) + epsilon)
+        for v in velocities
+    ]

@@ -262,9 +262,8 @@ def test_save_mid_window_resumes(make, tmp_path):
     [
         lambda: ka.rematerialize(model(), "full"),
         lambda: ka.layers.BatchNormalization(),
-        lambda: ka.AdaptiveSteps(1, 4, 16),
     ],
-    ids=["rematerialize", "batch_norm", "adaptive_steps"],
+    ids=["rematerialize", "batch_norm"],
 )
 def test_tensorflow_only_features_say_so(call):
     with pytest.raises(RuntimeError, match=f"TensorFlow backend.*{BACKEND}"):
@@ -280,7 +279,8 @@ def test_raise_policy_refused_under_jax():
 
 
 def test_no_tensorflow_imported():
-    """Training with the three optimizers, a schedule and the scaling rules
+    """Training with the three optimizers, the schedules (`AdaptiveSteps`
+    fed by the noise scale included), the scaling rules and the diagnostics
     imports no TensorFlow under JAX or PyTorch (run in a fresh process)."""
     if BACKEND == "tensorflow":
         pytest.skip("TensorFlow is the backend")
@@ -288,14 +288,28 @@ def test_no_tensorflow_imported():
 
     script = """
 import sys, numpy as np, keras, keras_accum as ka
-x = np.ones((16, 3), "float32"); y = np.ones((16, 1), "float32")
+from keras_accum import diagnostics
+x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32"); y = x[:, :1] + 1
+
+class Feed(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.optimizer.steps.observe(probe.tracker.b_simple)
+
 for opt in [ka.GradientAccumulation(keras.optimizers.Adam(), steps=2),
             ka.UpdateAccumulationAdam(steps=2),
             ka.InvariantAdam(**ka.scale_hyperparameters(2, "power", 1e-3, 0.9, 0.999)),
-            ka.InvariantAdam(1e-3, steps=ka.PiecewiseSteps([2], [1, 2]), scaling_rule="invariant")]:
+            ka.InvariantAdam(1e-3, steps=ka.PiecewiseSteps([2], [1, 2]), scaling_rule="invariant"),
+            ka.InvariantAdam(1e-3, steps=ka.AdaptiveSteps(1, 4, 4, min_observations=1,
+                                                          noise_estimate="adam_preconditioned"))]:
     m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     m.compile(optimizer=opt, loss="mse")
-    m.fit(x, y, batch_size=4, verbose=0)
+    probe = diagnostics.NoiseScaleCallback((x, y), 4, 2, every_n_batches=2, seed=0)
+    feed = [Feed()] if isinstance(opt.steps, ka.AdaptiveSteps) else []
+    m.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[probe] + feed)
+    assert np.isfinite(float(probe.tracker.b_simple))
+tracker = opt.steps.noise_tracker()
+tracker.update_from_micro_grads([[keras.ops.ones((3, 1))], [keras.ops.zeros((3, 1))]], 4)
+print(opt.steps.decisions[-1], float(tracker.b_simple))
 print(sorted(n for n in sys.modules if n.split(".")[0] == "tensorflow"))
 """
     env = dict(os.environ, KERAS_BACKEND=BACKEND)
