@@ -245,3 +245,28 @@ def is_functional(model):
     from keras.src.models.functional import Functional
 
     return isinstance(model, Functional)
+
+
+# -- probe gradients under JAX (`keras_accum._gradients`) -------------------------
+
+
+def call_has_training_arg(model):
+    """Whether `model.call` takes a `training` argument (Keras's own test,
+    what its trainers pass it by). Checked on Keras 3.15."""
+    return model._call_has_training_arg
+
+
+@contextlib.contextmanager
+def losses_override(model, losses):
+    """`losses` (a stateless forward pass's regularization losses) stand in
+    for `model.losses` while the loss is computed, as Keras's JAX trainer
+    does it. Checked on Keras 3.15."""
+    if not losses:
+        yield
+        return
+    model._losses_override.clear()
+    model._losses_override = losses
+    try:
+        yield
+    finally:
+        model._losses_override.clear()

@@ -15,7 +15,7 @@ changes are as before when `micro_batch_gradients` is done.
 
 from keras import ops
 
-from keras_accum import _backend
+from keras_accum import _backend, _compat
 
 
 def tape_gradients(model, x, y, sample_weight):
@@ -57,25 +57,22 @@ class MicroBatchGradients:
             def loss(trainable, non_trainable, metrics, x, y, sample_weight):
                 # `compute_loss_and_updates` without its loss scaling: the
                 # compiled loss's own gradient, as TensorFlow's tape takes.
-                kwargs = {"training": True} if model._call_has_training_arg else {}
+                kwargs = {"training": True} if _compat.call_has_training_arg(model) else {}
                 y_pred, non_trainable, losses = model.stateless_call(
                     trainable, non_trainable, x, return_losses=True, **kwargs
                 )
-                if losses:  # the forward pass's losses (regularizers) into the loss
-                    model._losses_override.clear()
-                    model._losses_override = losses
-                value, (_, non_trainable, _) = model.stateless_compute_loss(
-                    trainable,
-                    non_trainable,
-                    metrics,
-                    x=x,
-                    y=y,
-                    y_pred=y_pred,
-                    sample_weight=sample_weight,
-                    training=True,
-                )
-                if losses:
-                    model._losses_override.clear()
+                # The forward pass's losses (regularizers) into the loss.
+                with _compat.losses_override(model, losses):
+                    value, (_, non_trainable, _) = model.stateless_compute_loss(
+                        trainable,
+                        non_trainable,
+                        metrics,
+                        x=x,
+                        y=y,
+                        y_pred=y_pred,
+                        sample_weight=sample_weight,
+                        training=True,
+                    )
                 return value, non_trainable
 
             self._jitted = jax.jit(jax.grad(loss, has_aux=True))
