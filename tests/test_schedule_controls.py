@@ -4,6 +4,7 @@ checks, the committed files against docs/BATCH_SIZE_SCHEDULES.md, and (slow)
 a smoke study end to end, including that a rerun of a seed is identical."""
 
 import csv
+import gzip
 import json
 import pathlib
 
@@ -94,6 +95,53 @@ def test_cosine_schedule_goes_from_peak_to_zero():
     assert float(schedule(50)) == pytest.approx(1.5e-3)
     assert float(schedule(100)) == pytest.approx(0.0, abs=1e-12)
     assert float(schedule(150)) == pytest.approx(0.0, abs=1e-12)
+
+
+# -- the committed files against the docs ---------------------------------------
+
+
+def _final_test_losses(arm):
+    """{seed: final test loss} of `arm`'s first runs, read with csv alone."""
+    finals = {}
+    with gzip.open(CONTROLS / "runs.csv.gz", "rt", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["arm"] == arm and row["rerun"] == "0":
+                finals[int(row["seed"])] = float(row["test_loss"])  # the last row wins
+    return finals
+
+
+def test_docs_threshold_recomputes_from_the_committed_curves():
+    """T and sigma of the docs from runs.csv.gz with csv and numpy only."""
+    finals = list(_final_test_losses("kappa=1").values())
+    t, sigma = np.mean(finals), np.std(finals, ddof=1)
+    line = f"T = {t:.4f} (mean final test loss of kappa=1), sigma = {sigma:.4f}"
+    assert len(finals) == 8
+    assert line in DOC.read_text() and line in (CONTROLS / "summary.md").read_text()
+
+
+def test_docs_controls_table_recomputes_from_the_committed_files():
+    """Every row of the controls tables the report computes from the
+    committed files is in the docs, and one entry by hand: kappa = 4's
+    final test loss difference to kappa = 1."""
+    t, sigma, entries = controls_report.controls_table(CONTROLS)
+    doc = DOC.read_text()
+    rows = [x for x in controls_report.table_markdown(t, sigma, entries).splitlines()]
+    rows = [x for x in rows if x.startswith("| ") and not x.startswith("| arm")]
+    assert len(rows) >= 12
+    missing = [x for x in rows if x not in doc]
+    assert not missing, missing
+    ones, fours = _final_test_losses("kappa=1"), _final_test_losses("kappa=4")
+    diff = np.mean(list(fours.values())) - np.mean(list(ones.values()))
+    kappa4 = next(x for x in rows if x.startswith("| kappa=4 | "))
+    assert f"{diff:+.4f} [" in kappa4
+
+
+def test_docs_determinism_check_recomputes():
+    reruns = controls_report.rerun_difference(controls_report.read_csv(CONTROLS / "runs.csv"))
+    assert set(reruns) == {"kappa=1", "adaptive"}
+    summary = (CONTROLS / "summary.md").read_text()
+    for arm, diff in reruns.items():
+        assert f"* {arm}: {diff:.3g}" in summary
 
 
 # -- a smoke study end to end (slow) ----------------------------------------------

@@ -278,6 +278,18 @@ def rerun_difference(rows, metrics=("train_loss", "val_loss", "test_loss")):
     return out
 
 
+def folder_difference(workdir_a, workdir_b, metrics=("train_loss", "val_loss", "test_loss")):
+    """{(arm, lr, seed): max |a - b|} over the first runs that both folders
+    hold (two processes, the same config: determinism across processes)."""
+    a, b = (curves(load(w)[1]) for w in (workdir_a, workdir_b))
+    out = {}
+    for key in sorted(set(a) & set(b)):
+        if not key[3]:
+            pairs = zip(a[key], b[key])
+            out[key[:3]] = max(abs(p[m] - q[m]) for p, q in pairs for m in metrics)
+    return out
+
+
 def replay_decisions(estimates, micro_batch_size, max_steps, smoothing=0.9, min_observations=4):
     """The sizes `AdaptiveSteps(1, max_steps, micro_batch_size, smoothing,
     min_observations, powers_of_two=True)` decides from `estimates` (numpy;
