@@ -121,19 +121,37 @@ def test_docs_threshold_recomputes_from_the_committed_curves():
 
 def test_docs_controls_table_recomputes_from_the_committed_files():
     """Every row of the controls tables the report computes from the
-    committed files is in the docs, and one entry by hand: kappa = 4's
+    committed files is in the docs (against kappa = 1 both tables, against
+    the cosine baseline the first), and one entry by hand: kappa = 4's
     final test loss difference to kappa = 1."""
-    t, sigma, entries = controls_report.controls_table(CONTROLS)
     doc = DOC.read_text()
-    rows = [x for x in controls_report.table_markdown(t, sigma, entries).splitlines()]
-    rows = [x for x in rows if x.startswith("| ") and not x.startswith("| arm")]
-    assert len(rows) >= 12
-    missing = [x for x in rows if x not in doc]
-    assert not missing, missing
+    for reference, tables in (("kappa=1", 2), ("kappa=1 cosine", 1)):
+        t, sigma, entries = controls_report.controls_table(CONTROLS, reference)
+        text = controls_report.table_markdown(t, sigma, entries, reference)
+        text = text.split("Savings against")[0] if tables == 1 else text
+        rows = [x for x in text.splitlines() if x.startswith("| ") and "| arm |" not in x]
+        assert len(rows) >= 12 * tables
+        missing = [x for x in rows if x not in doc]
+        assert not missing, missing
     ones, fours = _final_test_losses("kappa=1"), _final_test_losses("kappa=4")
     diff = np.mean(list(fours.values())) - np.mean(list(ones.values()))
-    kappa4 = next(x for x in rows if x.startswith("| kappa=4 | "))
-    assert f"{diff:+.4f} [" in kappa4
+    t, sigma, entries = controls_report.controls_table(CONTROLS)
+    kappa4 = controls_report.table_markdown(t, sigma, entries).split("| kappa=4 | ")[1]
+    assert kappa4.split(" | ")[2].startswith(f"{diff:+.4f} [")
+
+
+def test_tuned_learning_rates_recompute_from_the_committed_validation_losses():
+    """The config's tuned lrs are the best final val_loss of the committed
+    tuning runs (test loss never read), and the docs' tuning table is the
+    one the report computes."""
+    config = experiment.load_config_file(ROOT / "saved_configs/schedule_controls.py", "controls")
+    tune = CONTROLS / "tune"
+    assert controls_report.best_learning_rate(tune, "kappa=1") == config["learning_rates"][0]
+    cosine = config["arms"]["kappa=1 cosine"]["learning_rates"][0]
+    assert controls_report.best_learning_rate(tune, "kappa=1 cosine") == cosine
+    doc = DOC.read_text()
+    for row in controls_report.tuning_table(tune).splitlines()[2:]:
+        assert row in doc, row
 
 
 def test_docs_determinism_check_recomputes():
@@ -142,6 +160,17 @@ def test_docs_determinism_check_recomputes():
     summary = (CONTROLS / "summary.md").read_text()
     for arm, diff in reruns.items():
         assert f"* {arm}: {diff:.3g}" in summary
+    # A second process (rerun/) against the study's seed 0: the docs say 0.
+    across = controls_report.folder_difference(CONTROLS, CONTROLS / "rerun")
+    assert set(across) == {("kappa=1", 0.003, 0), ("adaptive", 0.003, 0)}
+    assert set(reruns.values()) == set(across.values()) == {0.0}
+
+
+def test_docs_same_seed_comparison_of_the_two_estimates_recomputes():
+    """The b_simple arm's seeds 0-3 (those of the preconditioned arm)."""
+    finals = [_final_test_losses("adaptive")[seed] for seed in range(4)]
+    text = f"{np.mean(finals):.4f} ± {np.std(finals, ddof=1):.4f}"
+    assert f"same four seeds end at\n  {text}" in DOC.read_text()
 
 
 # -- a smoke study end to end (slow) ----------------------------------------------

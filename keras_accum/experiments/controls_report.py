@@ -6,7 +6,9 @@ docs/BATCH_SIZE_SCHEDULES.md's controls section can be recomputed from the
 committed files (`python3 -m keras_accum.experiments.controls_report DIR`).
 
 Criteria, per seed, on the test loss (T, sigma: mean and seed std, ddof 1,
-of the reference arm's final test loss):
+of the reference arm's final test loss; the report gives two tables, with
+constant kappa = 1 and with the stronger cosine-decayed kappa = 1 as the
+reference):
 
 * `first`: serial updates at which the test loss first gets <= T + sigma
   (linear interpolation between evaluations);
@@ -33,6 +35,7 @@ from scipy import stats
 from keras_accum.training import atomic
 
 REFERENCE = "kappa=1"
+COSINE = "kappa=1 cosine"  # the stronger baseline: a second threshold
 TRAILING = 3
 _FLOATS = (
     "learning_rate",
@@ -59,7 +62,7 @@ def _value(key, text):
     if key in ("arm", "estimate", "reason"):
         return text
     if key in _FLOATS or key.startswith("b_"):
-        return float(text)
+        return float(text) if text else math.nan  # empty: not measured
     return int(text)
 
 
@@ -200,22 +203,22 @@ def controls_table(workdir, reference=REFERENCE):
     return t, sigma, entries
 
 
-def table_markdown(t, sigma, entries):
-    ref = next(e for e in entries if e["arm"] == REFERENCE)
+def table_markdown(t, sigma, entries, reference=REFERENCE):
+    ref = next(e for e in entries if e["arm"] == reference)
     ref_first = np.mean([v for v in ref["first_updates"] if v is not None])
     ref_settled = np.mean([v for v in ref["settled_updates"] if v is not None])
     lines = [
-        f"T = {t:.4f} (mean final test loss of {REFERENCE}), sigma = {sigma:.4f} (its seed "
+        f"T = {t:.4f} (mean final test loss of {reference}), sigma = {sigma:.4f} (its seed "
         f"std); threshold T + sigma = {t + sigma:.4f}. Mean ± seed std; (n of N): seeds "
         "that get there.",
         "",
-        "| arm | seeds | final test loss | diff to kappa=1 [95% CI] | first reach: updates "
+        f"| arm | seeds | final test loss | diff to {reference} [95% CI] | first reach: updates "
         "| settled: updates | updates | gradient evaluations | CPU s | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         diff, low, high = e["welch"]
-        ci = "-" if e["arm"] == REFERENCE else f"{diff:+.4f} [{low:+.4f}, {high:+.4f}]"
+        ci = "-" if e["arm"] == reference else f"{diff:+.4f} [{low:+.4f}, {high:+.4f}]"
         lines.append(
             f"| {e['arm']} | {len(e['seeds'])} | {_mean_std(e['final'], 4)} | {ci} | "
             f"{_mean_std(e['first_updates'])} | {_mean_std(e['settled_updates'])} | "
@@ -224,7 +227,7 @@ def table_markdown(t, sigma, entries):
         )
     lines += [
         "",
-        "Savings against kappa=1, like for like (mean over the seeds that get there):",
+        f"Savings against {reference}, like for like (mean over the seeds that get there):",
         "",
         "| arm | first reach: updates (saving) | settled: updates (saving) | first reach: "
         "gradient evaluations | first reach: CPU s |",
@@ -352,6 +355,41 @@ def _changes(steps_at, sizes):
     return ", ".join(out) or "none"
 
 
+def merge(workdirs, out):
+    """One folder from studies run as several processes: their rows,
+    decisions and timings concatenated (a column one lacks left empty), the
+    first config with every arm's seeds and learning rates joined, and the
+    configs as run in `merged_from`; then `write_report`."""
+    from keras_accum.experiments.invariance.report import write_csv
+
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = [load(w) for w in workdirs]
+    config = json.loads(json.dumps(loaded[0][0]))
+    for other, *_ in loaded[1:]:
+        for name, arm in other["arms"].items():
+            mine = config["arms"].setdefault(name, dict(arm))
+            for key, default in (("seeds", other["seeds"]), ("learning_rates", None)):
+                default = default or other["learning_rates"]
+                base = mine.get(key, config[key])
+                mine[key] = sorted(set(base) | set(arm.get(key, default)))
+    config["merged_from"] = [c for c, *_ in loaded]
+    atomic.atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    for index, name in ((1, "runs.csv"), (2, "decisions.csv"), (3, "timings.csv")):
+        rows = [r for part in loaded for r in part[index]]
+        if rows:
+            keys = list(dict.fromkeys(k for r in rows for k in r))
+            rows = [{k: _text(r.get(k)) for k in keys} for r in rows]
+            write_csv(out / name, rows)
+    write_report(out)
+
+
+def _text(value):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return value
+
+
 def write_report(workdir):
     """summary.md and table.json of a finished (or partial) study folder."""
     workdir = pathlib.Path(workdir)
@@ -359,12 +397,15 @@ def write_report(workdir):
     parts = []
     arms = {r["arm"] for r in rows}
     if REFERENCE in arms and len({r["learning_rate"] for r in rows if r["arm"] == REFERENCE}) == 1:
-        t, sigma, entries = controls_table(workdir)
-        parts += ["## Controls (test loss)\n", table_markdown(t, sigma, entries)]
-        atomic.atomic_write_text(
-            workdir / "table.json",
-            json.dumps({"T": t, "sigma": sigma, "arms": entries}, indent=1) + "\n",
-        )
+        tables = {}
+        for reference in (REFERENCE, COSINE):
+            if reference not in arms:
+                continue
+            t, sigma, entries = controls_table(workdir, reference)
+            parts += [f"## Controls against {reference} (test loss)\n"]
+            parts += [table_markdown(t, sigma, entries, reference)]
+            tables[reference] = {"T": t, "sigma": sigma, "arms": entries}
+        atomic.atomic_write_text(workdir / "table.json", json.dumps(tables, indent=1) + "\n")
     parts += ["## Final validation loss\n", tuning_table(workdir)]
     reruns = rerun_difference(rows)
     if reruns:
@@ -377,5 +418,9 @@ def write_report(workdir):
 
 
 if __name__ == "__main__":
-    write_report(sys.argv[1])
+    # controls_report.py DIR (rewrite DIR's report) or OUT DIR1 DIR2 ... (merge)
+    if len(sys.argv) > 2:
+        merge(sys.argv[2:], sys.argv[1])
+    else:
+        write_report(sys.argv[1])
     print((pathlib.Path(sys.argv[1]) / "summary.md").read_text())
