@@ -78,6 +78,10 @@ SLOW_TESTS = {
         "test_script_corrected_command_runs_in_the_refused_folder",
     },
     "test_data.py": {"test_mnist1d_prepared_by_two_processes_at_once"},
+    "test_schedule_controls.py": {  # a smoke study of the controls (about a minute)
+        "test_smoke_study_writes_its_files_and_reruns_identically",
+        "test_smoke_arms_count_updates_gradients_and_kappa",
+    },
     "test_experiment.py": {
         "test_script_unknown_flag_lists_valid_flags",
         "test_script_missing_dataset_fails_fast",

@@ -64,7 +64,8 @@ class StudyRunner:
         model_name, input_shape, num_classes: for `models.build_model`.
         eval_data: dict with `train` and `test`, each (x, y) numpy arrays:
             the train loss is measured on `train`, loss and accuracy on
-            `test`, all with `training=False`.
+            `test`, all with `training=False`; optionally `validation`
+            (its loss is `val_loss`).
         build: optional model builder replacing `models.build_model` (the
             character LM).
     """
@@ -107,10 +108,16 @@ class StudyRunner:
         logits = self.model(xte, training=False)
         test_loss = self._loss(yte, logits)
         correct = tf.equal(tf.argmax(logits, -1, output_type=tf.int32), yte)
-        return train_loss, test_loss, tf.reduce_mean(tf.cast(correct, tf.float32))
+        out = (train_loss, test_loss, tf.reduce_mean(tf.cast(correct, tf.float32)))
+        if "validation" in self._eval_data:  # a split held out of train for tuning
+            xv, yv = self._eval_data["validation"]
+            out += (self._loss(yv, self.model(xv, training=False)),)
+        return out
 
     def evaluate(self):
-        return dict(zip(METRICS, (float(v) for v in self._evaluate())))
+        """METRICS (and `val_loss` with a `validation` split) as floats."""
+        names = METRICS + ("val_loss",) * ("validation" in self._eval_data)
+        return dict(zip(names, (float(v) for v in self._evaluate())))
 
     def gradient(self, x, y):
         """The gradient of the mean loss over one micro-batch (g_j)."""

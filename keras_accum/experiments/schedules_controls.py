@@ -1,0 +1,416 @@
+"""Controls for the character-LM batch-size warmup (issue #35).
+
+The warmup result of docs/BATCH_SIZE_SCHEDULES.md compared an adaptive
+schedule with weak baselines. This study runs, on the same character LM
+(`keras_accum.experiments.charlm`) and the same example budget, named
+*arms*, each a window schedule with InvariantAdam (`scaling_rule`, the
+published result's `"fixed_beta_1"` by default):
+
+* `{"steps": 4}`: constant kappa;
+* `{"steps": [[512, 1024], [1, 2, 4]]}`: a `PiecewiseSteps` (boundaries in
+  micro-steps, fixed in the config before any test loss is seen);
+* `{"steps": "adaptive"}`: `AdaptiveSteps(1, max_kappa, micro_batch_size,
+  powers_of_two=True, **adaptive)` with its default smoothing and settling,
+  fed at every evaluation the B_simple of `probe_windows` seeded windows of
+  8 training micro-batches (a `GradientNoiseScale`, EMA `probe_ema`) in the
+  norm of `estimate` (`"b_simple"` or `"adam_preconditioned"`); both
+  estimates of the same probe gradients are logged;
+* `"decay": "cosine"`: the learning rate falls as a cosine to zero over the
+  arm's micro-batches (a schedule InvariantAdam evaluates at micro-batches
+  consumed), else constant;
+* `"learning_rates"`, `"examples"`, `"seeds"`: the arm's own, else the
+  study's.
+
+Protocol: the last `validation_examples` sequences of the char LM's train
+split are a validation split, never trained on; tuning reads `val_loss`,
+reported numbers `test_loss`. Every run of a seed starts from the same
+weights and reads the same seeded stream of micro-batches (a longer arm
+reads a longer prefix of it). With `deterministic`, TensorFlow's op
+determinism is on and its thread pools have `threads` threads: two runs of
+one seed give the same curve (`repeat` reruns the first seed of the named
+arms to measure it).
+
+Rows: one per evaluation (every `eval_every` sequences) with `micro_batches`,
+`gradient_evaluations` (micro-batches trained plus probe micro-batches),
+`seconds` and `cpu_seconds` (wall and process CPU time of training and
+probing, evaluations excluded; the wall time depends on the machine's load). Written
+after every run: an interrupted study keeps its finished runs.
+"""
+
+import functools
+import json
+import math
+import pathlib
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_accum as ka
+from keras_accum.experiments import charlm, optimizers
+from keras_accum.experiments import config as cfg
+from keras_accum.experiments.invariance.report import write_csv
+from keras_accum.experiments.study_runner import StudyRunner, micro_batch_indices
+from keras_accum.training import atomic
+
+F = cfg.Field
+PROBE_KAPPA = 8  # micro-batches per probe window
+ESTIMATES = tuple(ka.diagnostics.NOISE_ESTIMATES)
+_RULES = ka.scaling.SCALING_RULES[:-1]
+
+FIELDS = [
+    F("data_dir", "path", None, "TFDS data_dir"),
+    F("micro_batch_size", "int", 16, "Sequences per micro-batch", minimum=1),
+    cfg.fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
+    cfg.fraction("beta_2", 0.999, "Adam beta_2 at kappa = 1"),
+    F("epsilon", "float", 1e-7, "Adam epsilon", minimum=0.0, open_minimum=True),
+    F(
+        "scaling_rule",
+        "str",
+        "fixed_beta_1",
+        "InvariantAdam rule",
+        choices=ka.scaling.SCALING_RULES[:-1],
+    ),
+    F("seeds", "list", [0], "Seeds", item=F("", "int", 0, "", minimum=0)),
+    F("learning_rates", "list", [3e-3], "Base lrs", minimum=1, item=cfg.POSITIVE),
+    F("train_examples", "int", 49152, "Sequences per run", minimum=1),
+    F("eval_every", "int", 1024, "Sequences between evaluations", minimum=1),
+    F("train_eval_examples", "int", 256, "Train sequences for the train loss", minimum=1),
+    F("validation_examples", "int", 512, "Train sequences held out for tuning", minimum=1),
+    F("max_kappa", "int", 8, "Largest window (a power of two)", minimum=1),
+    F("probe_windows", "int", 4, "Probe windows per estimate", minimum=1),
+    cfg.fraction("probe_ema", 0.9, "EMA of the probes' B_simple"),
+    F("arms", "dict", {"kappa=1": {"steps": 1}}, "name -> arm spec (module docstring)"),
+    F(
+        "repeat",
+        "list",
+        [],
+        "Arms rerun once for the first seed (determinism)",
+        minimum=0,
+        item=F("", "str", "x", ""),
+    ),
+    F("threads", "int", 1, "TensorFlow intra- and inter-op threads", minimum=1),
+    F("deterministic", "bool", True, "TensorFlow op determinism"),
+    F("verbose", "int", 1, "1: a line per run, 0: silent", choices=(0, 1)),
+]
+_ARM_KEYS = {"steps", "decay", "learning_rates", "examples", "estimate", "adaptive", "seeds"}
+
+
+def _check_arms(c):
+    b, k = c["micro_batch_size"], c["max_kappa"]
+    chunk, window = c["eval_every"] // b, k * b
+    if k & (k - 1):
+        raise cfg.ConfigError(f"`max_kappa` must be a power of two. Received: max_kappa={k}")
+    if c["eval_every"] % window:
+        raise cfg.ConfigError(
+            f"`eval_every` must be a multiple of max_kappa x micro_batch_size ({window}). "
+            f"Received: eval_every={c['eval_every']}"
+        )
+    for name, arm in c["arms"].items():
+        where = f"arms[{name!r}]"
+        if not isinstance(arm, dict) or set(arm) - _ARM_KEYS or "steps" not in arm:
+            raise cfg.ConfigError(
+                f"{where} must be a dict with `steps` and optionally "
+                f"{sorted(_ARM_KEYS - {'steps'})}. Received: {arm!r}"
+            )
+        examples = arm.get("examples", c["train_examples"])
+        if examples % c["eval_every"]:
+            raise cfg.ConfigError(f"{where}: examples must be a multiple of eval_every")
+        steps = arm["steps"]
+        if isinstance(steps, int):
+            ok = 1 <= steps <= k and not steps & (steps - 1)
+        elif steps == "adaptive":
+            ok = arm.get("estimate", "b_simple") in ESTIMATES
+        else:
+            try:
+                bounds, values = steps
+                ok = len(values) == len(bounds) + 1 and all(m % chunk == 0 for m in bounds)
+                ok = ok and all(v <= k and not v & (v - 1) for v in values)
+            except (TypeError, ValueError):
+                ok = False
+        if not ok:
+            raise cfg.ConfigError(
+                f"{where}: `steps` must be a power of two <= max_kappa, 'adaptive' (estimate in "
+                f"{ESTIMATES}) or [boundaries (multiples of {chunk} micro-steps), values]. "
+                f"Received: {arm!r}"
+            )
+        if arm.get("decay", "constant") not in ("constant", "cosine"):
+            raise cfg.ConfigError(f"{where}: `decay` must be 'constant' or 'cosine'")
+    unknown = set(c["repeat"]) - set(c["arms"])
+    if unknown:
+        raise cfg.ConfigError(f"`repeat` names arms that do not exist: {sorted(unknown)}")
+
+
+SCHEMA = cfg.Schema("schedules controls", FIELDS, [_check_arms])
+DEFAULTS = SCHEMA.defaults()
+
+
+def resolve_config(config):
+    return SCHEMA.resolve(config)
+
+
+def configure_determinism(threads, deterministic=True):
+    """Op determinism and `threads`-thread pools (the pools only take
+    effect before TensorFlow's runtime starts: a process that has already
+    run an op keeps its own, said in the return value)."""
+    if deterministic:
+        tf.config.experimental.enable_op_determinism()
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError:
+        return False
+    return True
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_experiments")
+class CosineToZero(keras.optimizers.schedules.LearningRateSchedule):
+    """peak x (1 + cos(pi min(t, total) / total)) / 2: from `peak` (a
+    variable, so one trace serves every learning rate) to 0 at `total`."""
+
+    def __init__(self, peak, total):
+        self.peak, self.total = peak, int(total)
+
+    def __call__(self, step):
+        t = tf.minimum(tf.cast(step, tf.float32), float(self.total))
+        return self.peak * 0.5 * (1.0 + tf.cos(math.pi * t / self.total))
+
+    def get_config(self):
+        return {"peak": float(self.peak.numpy()), "total": self.total}
+
+
+def arm_steps(arm, c):
+    """The `steps` argument of the arm's optimizer."""
+    steps = arm["steps"]
+    if isinstance(steps, int):
+        return steps
+    if steps == "adaptive":
+        kwargs = {"powers_of_two": True, **arm.get("adaptive", {})}
+        return ka.AdaptiveSteps(
+            1,
+            c["max_kappa"],
+            c["micro_batch_size"],
+            noise_estimate=arm.get("estimate", "b_simple"),
+            **kwargs,
+        )
+    return ka.PiecewiseSteps(*steps)
+
+
+class ControlsStudy:
+    def __init__(self, config):
+        self.config = c = resolve_config(config)
+        self.threads_set = configure_determinism(c["threads"], c["deterministic"])
+        self.started = time.time()
+        x, y = charlm.load_arrays("train", c["data_dir"])
+        n_val = c["validation_examples"]
+        self.x_train, self.y_train = x[:-n_val], y[:-n_val]
+        n = c["train_eval_examples"]
+        eval_data = {
+            "train": (self.x_train[:n], self.y_train[:n]),
+            "validation": (x[-n_val:], y[-n_val:]),
+            "test": charlm.load_arrays("test", c["data_dir"]),
+        }
+        self.trainer = StudyRunner(
+            None, (charlm.SEQ_LEN,), charlm.VOCAB_SIZE, eval_data, build=charlm.build_lm
+        )
+        self.rows, self.decisions, self.timings = [], [], []
+        self._peaks = {}
+
+    def _log(self, message):
+        if self.config["verbose"]:
+            print(f"[{(time.time() - self.started) / 60:5.1f} min] {message}", flush=True)
+
+    def runs(self):
+        """(arm, seed, lr, rerun) in the order run: arm by arm (the config's
+        order: an interrupted study has its first arms complete), each arm
+        of `repeat` followed by a rerun of its first run."""
+        c = self.config
+        out = []
+        for name, arm in c["arms"].items():
+            rates = arm.get("learning_rates", c["learning_rates"])
+            seeds = arm.get("seeds", c["seeds"])
+            out += [(name, seed, lr, 0) for lr in rates for seed in seeds]
+            if name in c["repeat"]:
+                out.append((name, seeds[0], rates[0], 1))
+        return out
+
+    def run(self, workdir=None):
+        for name, seed, lr, rerun in self.runs():
+            self.run_one(name, seed, lr, rerun)
+            if workdir is not None:
+                self.write(workdir, final=False)
+
+    def _stream(self, seed, micro_batches):
+        b = self.config["micro_batch_size"]
+        idx = micro_batch_indices(len(self.x_train), b, micro_batches, seed)
+        return tf.constant(self.x_train[idx]), tf.constant(self.y_train[idx])
+
+    def _make(self, name, arm, total):
+        c = self.config
+        lr = 1e-3
+        if arm.get("decay", "constant") == "cosine":
+            peak = tf.Variable(1e-3, trainable=False, dtype="float32", name="peak_lr")
+            self._peaks[name] = peak
+            lr = CosineToZero(peak, total)
+        hyper = {"learning_rate": lr, "beta_1": c["beta_1"], "beta_2": c["beta_2"]}
+        hyper["epsilon"] = c["epsilon"]
+        steps = arm_steps(arm, c)
+        return optimizers.build("invariant_adam", steps, hyper, scaling_rule=c["scaling_rule"])
+
+    def run_one(self, name, seed, lr, rerun=0):
+        c = self.config
+        arm, b = c["arms"][name], c["micro_batch_size"]
+        total = arm.get("examples", c["train_examples"]) // b
+        chunk = c["eval_every"] // b
+        adaptive = arm["steps"] == "adaptive"
+        keras.utils.set_random_seed(seed)
+        weights = self.trainer.initial_weights(seed)
+        xs, ys = self._stream(seed, total)
+        make = functools.partial(self._make, name, arm, total)
+        optimizer, loops, _, initial = self.trainer.loops((name,), make)
+        for variable, value in zip(optimizer.variables, initial):
+            variable.assign(value)
+        for variable, value in zip(self.trainer.model.weights, weights):
+            variable.assign(value)
+        if name in self._peaks:
+            self._peaks[name].assign(lr)
+        else:
+            optimizer.learning_rate = lr
+        probe = self._prober(name, optimizer, seed, lr, rerun) if adaptive else None
+        if adaptive:
+            optimizer.steps.decisions.clear()
+        seconds, cpu, gradients = 0.0, 0.0, 0
+        points = [self._point(optimizer, 0, 0, 0.0, 0.0)]
+        for lo in range(0, total, chunk):
+            started, cpu_started = time.perf_counter(), time.process_time()
+            loops[0](xs[lo : lo + chunk], ys[lo : lo + chunk])
+            gradients += chunk
+            if probe is not None:
+                gradients += probe(optimizer)
+            float(optimizer.iterations.numpy())  # the work is done: stop the clock
+            seconds += time.perf_counter() - started
+            cpu += time.process_time() - cpu_started
+            points.append(self._point(optimizer, (lo + chunk) * b, gradients, seconds, cpu))
+        for p in points:
+            self.rows.append({"arm": name, "seed": seed, "learning_rate": lr, "rerun": rerun, **p})
+        self.timings.append(
+            {
+                "arm": name,
+                "seed": seed,
+                "learning_rate": lr,
+                "rerun": rerun,
+                "seconds": round(seconds, 3),
+                "cpu_seconds": round(cpu, 3),
+            }
+        )
+        end = points[-1]
+        self._log(
+            f"{name} seed {seed} lr {lr:g}{' (rerun)' * rerun}: val {end['val_loss']:.4f} "
+            f"test {end['test_loss']:.4f} updates {end['updates']} "
+            f"gradients {end['gradient_evaluations']} {seconds:.1f} s"
+        )
+        return points
+
+    def _point(self, optimizer, examples, gradients, seconds, cpu):
+        from keras_accum.experiments.study_runner import window_size
+
+        metrics = self.trainer.evaluate()
+        return {
+            "examples": examples,
+            "micro_batches": examples // self.config["micro_batch_size"],
+            "updates": int(optimizer.iterations.numpy()),
+            "kappa": window_size(optimizer),
+            "gradient_evaluations": gradients,
+            "seconds": round(seconds, 4),
+            "cpu_seconds": round(cpu, 4),
+            **metrics,
+        }
+
+    def _prober(self, name, optimizer, seed, lr, rerun):
+        """probe(optimizer): `probe_windows` windows of 8 seeded micro-batches
+        at the current weights into two trackers (both norms, the same
+        gradients); the arm's estimate goes to `observe`. Returns the
+        gradient evaluations spent."""
+        c = self.config
+        b, windows = c["micro_batch_size"], c["probe_windows"]
+        key = ("probe", name)
+        if key not in self.trainer._probes:
+            trackers = {
+                e: ka.diagnostics.GradientNoiseScale(
+                    c["probe_ema"], squared_norm=ka.diagnostics.noise_estimate_norm(e, optimizer)
+                )
+                for e in ESTIMATES
+            }
+
+            @tf.function(autograph=False)
+            def window(xw, yw):
+                micro = [self.trainer.gradient(xw[j], yw[j]) for j in range(PROBE_KAPPA)]
+                for tracker in trackers.values():
+                    tracker.update_from_micro_grads(micro, b)
+
+            self.trainer._probes[key] = (trackers, window)
+        trackers, window = self.trainer._probes[key]
+        for tracker in trackers.values():
+            for variable in tracker.variables:
+                variable.assign(tf.zeros_like(variable))
+        rng = np.random.default_rng([seed, 3])
+        used = c["arms"][name].get("estimate", "b_simple")
+
+        def probe(optimizer):
+            for _ in range(windows):
+                idx = rng.choice(len(self.x_train), PROBE_KAPPA * b, replace=False)
+                idx = idx.reshape(PROBE_KAPPA, b)
+                window(tf.constant(self.x_train[idx]), tf.constant(self.y_train[idx]))
+            values = {e: float(t.b_simple) for e, t in trackers.items()}
+            optimizer.steps.observe(values[used])
+            d = optimizer.steps.decisions[-1]
+            self.decisions.append(
+                {
+                    "arm": name,
+                    "seed": seed,
+                    "learning_rate": lr,
+                    "rerun": rerun,
+                    "micro_step": d.micro_step,
+                    "estimate": used,
+                    **{f"b_{e}": values[e] for e in ESTIMATES},
+                    "smoothed": d.smoothed,
+                    "observations": d.observations,
+                    "steps": d.steps,
+                    "reason": d.reason,
+                }
+            )
+            return windows * PROBE_KAPPA
+
+        return probe
+
+    def write(self, workdir, final=True):
+        from keras_accum.experiments import controls_report
+
+        workdir = pathlib.Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        atomic.atomic_write_text(workdir / "config.json", json.dumps(self.config, indent=2) + "\n")
+        write_csv(workdir / "runs.csv", self.rows)
+        if self.decisions:
+            write_csv(workdir / "decisions.csv", self.decisions)
+        write_csv(workdir / "timings.csv", self.timings)
+        if not final:
+            return
+        controls_report.write_report(workdir)
+        summary = {
+            "rows": len(self.rows),
+            "runs": len(self.timings),
+            "seconds": round(time.time() - self.started, 1),
+            "threads_set": self.threads_set,
+        }
+        atomic.atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+def run_study(config, workdir):
+    study = ControlsStudy(config)
+    study.run(workdir)
+    study.write(workdir)
+    return study
+
+
+__all__ = ["DEFAULTS", "ControlsStudy", "CosineToZero", "resolve_config", "run_study"]
