@@ -409,7 +409,7 @@ def markdown(result):
         "",
     ]
     header = (
-        "| model | arm | ms / micro-batch | ratio to keras_accum | temp MiB | argument MiB "
+        "| model | arm | ms / micro-batch | ratio to keras_gas | temp MiB | argument MiB "
         "| output MiB | alias MiB | optimizer state MiB | params (MiB) | temp / params |"
     )
     rss = any("peak_rss_bytes" in row for row in result["rows"])
