@@ -140,6 +140,11 @@ def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variab
     `lax.cond` whose other branch hands the values back unchanged."""
     own = _compat.own_variables(optimizer)
     inner = optimizer.inner_optimizer
+    # Values, not variables: a `LossScaleOptimizer` hands in the variables
+    # themselves (read through its own scope), and a `lax.cond` branch
+    # must return arrays.
+    optimizer_variables = [ops.convert_to_tensor(v) for v in optimizer_variables]
+    trainable_variables = [ops.convert_to_tensor(v) for v in trainable_variables]
     mapping = list(zip(_compat.trainable_variables(optimizer), trainable_variables))
     mapping += list(zip(optimizer.variables, optimizer_variables))
     pending = []  # (means, keep), from `_portable_update`

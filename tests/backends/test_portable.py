@@ -357,3 +357,37 @@ def test_tensorflow_only_packages_say_so_at_import(module):
 
     with pytest.raises(RuntimeError, match=f"needs the TensorFlow backend.*{BACKEND}"):
         importlib.import_module(module)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4),
+        lambda: ka.UpdateAccumulationAdam(0.01, steps=4),
+        lambda: ka.InvariantAdam(0.01, steps=4),
+    ],
+    ids=["ga", "ua", "ia"],
+)
+def test_mixed_float16_fit_under_the_loss_scale_optimizer(make):
+    """`compile` wraps the optimizer in Keras's `LossScaleOptimizer`, which
+    under JAX hands its inner optimizer variables, not values."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = data(64)
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dense(1, dtype="float32")]
+        )
+        optimizer = make()
+        net.compile(optimizer=optimizer, loss="mse")
+        assert isinstance(net.optimizer, keras.optimizers.LossScaleOptimizer)
+        history = net.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # The loss scaler skips the micro-batches whose scaled gradient
+    # overflows float16 (its scale starts at 2**15): they never reach the
+    # optimizer, so the count of micro-steps may fall short of 16.
+    micro_steps = int(keras.ops.convert_to_numpy(optimizer.micro_step))
+    assert 12 <= micro_steps <= 16
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == micro_steps // 4
+    assert np.isfinite(history.history["loss"][-1])
