@@ -42,7 +42,7 @@ Every backend runs it (`keras.ops`; the probe's gradients come from
 `keras_accum._gradients`). TensorFlow alone adds sparse `IndexedSlices`
 gradients, a `tf.data.Dataset` as the callback's data, and a
 `GradientNoiseScale` that is a `tf.Module` (`tf.train.Checkpoint`); under
-JAX and PyTorch its state is `keras.Variable`s.
+JAX and PyTorch its state is `keras.Variable` objects.
 """
 
 from __future__ import annotations
