@@ -1,4 +1,4 @@
-"""keras_accum: micro-batch training for Keras 3 on TensorFlow.
+"""keras_accum: micro-batch training for Keras 3 on TensorFlow, JAX and PyTorch.
 
 Three optimizers, each usable with `model.compile(optimizer=...)`:
 
