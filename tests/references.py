@@ -6,6 +6,8 @@ the parameters after that micro-batch. A micro-batch whose gradients are not
 all finite is skipped as the `"skip_micro_batch"` policy defines it.
 """
 
+import math
+
 import numpy as np
 
 
@@ -199,3 +201,22 @@ def window_batch_norm(batches, sizes, momentum, mean, variance, masks=None):
         mean = momentum * mean + (1 - momentum) * mu
         variance = momentum * variance + (1 - momentum) * (s2 / n - mu**2)
     return mean, variance
+
+
+def adaptive_steps(estimates, floor, top, unit, s, settle, first, pow2=False):
+    """(B_n, n, steps) after each estimate: a_n = s a + (1 - s) clip(b, 0,
+    top x unit) over the non-nan estimates, B_n = a_n / (1 - s^n), and once
+    n >= settle, steps = max(steps, clip(ceil(B_n / unit), floor, top))."""
+    acc, n, steps, out = 0.0, 0, first, []
+    for b in estimates:
+        if not math.isnan(b):
+            acc = s * acc + (1 - s) * min(max(b, 0.0), top * unit)
+            n += 1
+        smoothed = acc / (1 - s**n) if n else math.nan
+        if n >= settle:
+            target = math.ceil(smoothed / unit)
+            if pow2:  # the next power of two
+                target = 2 ** math.ceil(math.log2(max(target, 1)))
+            steps = max(steps, min(max(target, floor), top))
+        out.append((smoothed, n, steps))
+    return out

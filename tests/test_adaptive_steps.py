@@ -7,6 +7,7 @@ import math
 import keras
 import numpy as np
 import pytest
+import references
 import tensorflow as tf
 from test_fit_and_saving import X, Y, build_model
 
@@ -14,25 +15,6 @@ import keras_accum as ka
 from keras_accum import schedules, sharpness
 
 NAN, INF = float("nan"), float("inf")
-
-
-def np_adaptive(estimates, floor, top, unit, s, settle, first, pow2=False):
-    """(B_n, n, steps) after each estimate: a_n = s a + (1 - s) clip(b, 0,
-    top x unit) over the non-nan estimates, B_n = a_n / (1 - s^n), and once
-    n >= settle, steps = max(steps, clip(ceil(B_n / unit), floor, top))."""
-    acc, n, steps, out = 0.0, 0, first, []
-    for b in estimates:
-        if not math.isnan(b):
-            acc = s * acc + (1 - s) * min(max(b, 0.0), top * unit)
-            n += 1
-        smoothed = acc / (1 - s**n) if n else NAN
-        if n >= settle:
-            target = math.ceil(smoothed / unit)
-            if pow2:  # the next power of two
-                target = 2 ** math.ceil(math.log2(max(target, 1)))
-            steps = max(steps, min(max(target, floor), top))
-        out.append((smoothed, n, steps))
-    return out
 
 
 def built(schedule):
@@ -48,7 +30,7 @@ ESTIMATES = [NAN, 900.0, 40.0, INF, NAN, 10.0, -5.0, -INF, 70.0, 20.0, 1e9, 64.0
 def test_observe_matches_the_reference(smoothing, settle):
     schedule = ka.AdaptiveSteps(2, 8, 32, smoothing=smoothing, min_observations=settle)
     built(schedule)
-    expected = np_adaptive(ESTIMATES, 2, 8, 32, smoothing, settle, first=2)
+    expected = references.adaptive_steps(ESTIMATES, 2, 8, 32, smoothing, settle, first=2)
     for b, (smoothed, n, steps) in zip(ESTIMATES, expected):
         before = int(schedule.steps), int(schedule.observations)
         assert int(schedule.propose(b)) == steps  # the reference, no state change
@@ -68,7 +50,7 @@ def test_powers_of_two_round_the_decided_size_up():
     schedule = ka.AdaptiveSteps(2, 16, 32, smoothing=0.5, min_observations=2, powers_of_two=True)
     built(schedule)
     estimates = ESTIMATES + [200.0, 300.0, 2000.0]
-    expected = np_adaptive(estimates, 2, 16, 32, 0.5, 2, first=2, pow2=True)
+    expected = references.adaptive_steps(estimates, 2, 16, 32, 0.5, 2, first=2, pow2=True)
     sizes = [int(schedule.observe(b)) for b in estimates]
     assert sizes == [steps for _, _, steps in expected]
     assert set(sizes) <= {2, 4, 8, 16} and len(set(sizes)) > 2

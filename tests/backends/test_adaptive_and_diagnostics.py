@@ -10,6 +10,7 @@ import math
 import keras
 import numpy as np
 import pytest
+import references
 
 import keras_accum as ka
 from keras_accum import _backend, diagnostics
@@ -24,23 +25,6 @@ def number(value):
 
 
 # -- AdaptiveSteps ------------------------------------------------------------------
-
-
-def np_adaptive(estimates, floor, top, unit, s, settle, first, pow2=False):
-    """(B_n, n, steps) after each estimate, the rule of the class docstring."""
-    acc, n, steps, out = 0.0, 0, first, []
-    for b in estimates:
-        if not math.isnan(b):
-            acc = s * acc + (1 - s) * min(max(b, 0.0), top * unit)
-            n += 1
-        smoothed = acc / (1 - s**n) if n else NAN
-        if n >= settle:
-            target = math.ceil(smoothed / unit)
-            if pow2:
-                target = 2 ** math.ceil(math.log2(max(target, 1)))
-            steps = max(steps, min(max(target, floor), top))
-        out.append((smoothed, n, steps))
-    return out
 
 
 def built(schedule):
@@ -62,7 +46,7 @@ def test_adaptive_steps_follow_the_numpy_rule(smoothing, settle, pow2):
         2, top, 32, smoothing=smoothing, min_observations=settle, powers_of_two=pow2
     )
     built(schedule)
-    expected = np_adaptive(ESTIMATES, 2, top, 32, smoothing, settle, 2, pow2)
+    expected = references.adaptive_steps(ESTIMATES, 2, top, 32, smoothing, settle, 2, pow2)
     rtol = 1e-12 if WIDE else 1e-6
     for b, (smoothed, n, steps) in zip(ESTIMATES, expected):
         assert number(schedule.propose(b)) == steps
