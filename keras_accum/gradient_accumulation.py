@@ -242,10 +242,11 @@ class GradientAccumulation(base.AccumulationOptimizer):
         if isinstance(weight, weighing.ReplicaItems):
             # g = (mean gradient over this replica's n items) / replicas, so
             # its summed-loss gradient is n * replicas * g; W counts items.
-            # n = 0 (no count recorded this step: the model was compiled
-            # again without weighing) counts the micro-batch as one.
+            # n = UNSET (no count recorded this step: the model was compiled
+            # again without weighing) counts the micro-batch as one; n = 0
+            # (every item weighs zero) adds nothing.
             items = tf.cast(weight.items, "float32")
-            recorded = items > 0.0
+            recorded = items >= 0.0
             return (
                 tf.where(recorded, items * replicas, 1.0),
                 tf.where(recorded, items, 1.0 / replicas),
@@ -303,6 +304,10 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
     def _update(self, variables, window, writes):
         (total_weight,) = window
+        # W = 0 only when every item of the window weighs zero: then S = 0
+        # too, and the big batch's mean gradient is 0 (Keras divides its
+        # loss with `divide_no_nan`), not 0 / 0.
+        total_weight = tf.where(tf.equal(total_weight, 0.0), 1.0, total_weight)
         accumulators = self._accumulators_of(variables)
         inner = self.inner_optimizer
         clips = inner.clipnorm or inner.global_clipnorm or inner.clipvalue
@@ -334,9 +339,10 @@ class GradientAccumulation(base.AccumulationOptimizer):
         accumulators = self._accumulators_of(variables)
         grads = [ops.cast(g, "float32") for g in grads]
         if isinstance(weight, weighing.ReplicaItems):  # `weigh_micro_batches`
-            # n = 0 (no count recorded this step) counts the micro-batch as one.
+            # n = UNSET (no count recorded this step) counts the micro-batch
+            # as one; n = 0 (every item weighs zero) adds nothing.
             items = ops.cast(weight.items, "float32")
-            weight = ops.where(items > 0.0, items, 1.0)
+            weight = ops.where(items >= 0.0, items, 1.0)
         share = ops.convert_to_tensor(1.0 if weight is None else weight, "float32")
         if self.nonfinite == "skip_window":
             # A bad micro-batch adds zeros to S (kept finite) and NaN to W,
@@ -370,6 +376,7 @@ class GradientAccumulation(base.AccumulationOptimizer):
 
     def _portable_update(self, variables, keep):
         weight = ops.convert_to_tensor(self._weight)
+        weight = ops.where(ops.equal(weight, 0.0), 1.0, weight)  # S = 0 too: mean 0
         means = [a / weight for a in self._accumulators_of(variables)]
         if isinstance(keep, bool) or _backend.is_concrete(keep):
             if bool(keep):  # PyTorch, or JAX run eagerly

@@ -13,7 +13,8 @@ compiled with (`model.compile(loss=...)`, which Keras's `compute_loss`
 calls with the micro-batch's targets, predictions and sample weights); the
 wrapper writes the denominator Keras divides that loss by into the
 variable, and `apply`, called later in the same step, reads it and resets
-it to 0. Nothing is set on the model's or the optimizer's methods, and
+it to `UNSET` (-1: a count of 0 is a real one, a micro-batch whose items
+all weigh zero). Nothing is set on the model's or the optimizer's methods, and
 nothing passes outside a variable (Keras's `LossScaleOptimizer` calls
 `apply` from threads of its own: a variable per replica is not per thread).
 """
@@ -30,12 +31,18 @@ from keras_accum.validation import check_float
 class ReplicaItems:
     """`apply(weight=ReplicaItems(n))`: n items (or tokens: the loss
     denominator) on this replica, gradients in the model.fit convention
-    (this replica's mean gradient / replicas); n = 0 means "not recorded":
-    the micro-batch then counts as one, as without weighing."""
+    (this replica's mean gradient / replicas). n = 0 is a micro-batch whose
+    items all weigh zero (it adds nothing to the window); n < 0 (`UNSET`)
+    means "not recorded": the micro-batch then counts as one, as without
+    weighing."""
 
     def __init__(self, items):
         self.items = items
 
+
+# What `FitItems` holds when no loss recorded a count this step (a count is
+# >= 0: a micro-batch whose sample weights are all zero weighs 0 items).
+UNSET = -1.0
 
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
@@ -200,10 +207,10 @@ class FitItems:
 
     def __init__(self):
         if not _backend.IS_TENSORFLOW:  # PyTorch: one device, eager
-            self.variable = keras.Variable(0.0, trainable=False, name="fit_items")
+            self.variable = keras.Variable(UNSET, trainable=False, name="fit_items")
             return
         self.variable = tf.Variable(
-            0.0,
+            UNSET,
             trainable=False,
             dtype="float32",
             synchronization=tf.VariableSynchronization.ON_READ,
@@ -216,14 +223,14 @@ class FitItems:
         self.variable.assign(ops.cast(items, "float32"))
 
     def take(self):
-        """Replica context: the recorded count as `ReplicaItems` (0 if
-        none was recorded this step), the variable reset to 0."""
+        """Replica context: the recorded count as `ReplicaItems` (`UNSET`
+        if none was recorded this step), the variable reset to `UNSET`."""
         if not _backend.IS_TENSORFLOW:
             items = ops.copy(ops.convert_to_tensor(self.variable))  # not a view: reset below
-            self.variable.assign(0.0)
+            self.variable.assign(UNSET)
             return ReplicaItems(items)
         items = tf.identity(self.variable.read_value())
-        self.variable.assign(0.0)
+        self.variable.assign(UNSET)
         return ReplicaItems(items)
 
 

@@ -334,6 +334,59 @@ def test_weigh_micro_batches_makes_fit_exact_for_a_short_last_batch(replicas):
     assert max(np.abs(a - b).max() for a, b in zip(results[False], expected)) > 1e-4
 
 
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_weigh_micro_batches_counts_a_zero_weight_micro_batch_as_zero_items(replicas, inner):
+    # 32 items, two windows of 16; items 8-15 weigh zero: one device sees
+    # them as its second micro-batch of 8, two replicas as replica 1's half
+    # of the first global micro-batch of 16. Under a token-mean loss they
+    # add nothing to the big batch's mean, so they must add no count to the
+    # window either (0.3.0 counted such a micro-batch as one item).
+    x, y = X[:32], Y[:32]
+    weights = np.ones(32, "float32")
+    weights[8:16] = 0.0
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    make_inner = {
+        "sgd": lambda: keras.optimizers.SGD(0.1),
+        "adam": lambda: keras.optimizers.Adam(0.01),
+    }[inner]
+    big = build_model()
+    big.compile(optimizer=make_inner(), loss=loss)
+    big.fit(x, y, sample_weight=weights, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = mirrored() if replicas == 2 else tf.distribute.get_strategy()
+    steps, batch = (2, 8) if replicas == 1 else (1, 16)
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer=ka.GradientAccumulation(make_inner(), steps=steps), loss=loss)
+    ka.weigh_micro_batches(model)
+    model.fit(x, y, sample_weight=weights, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    assert model.optimizer.iterations.numpy() == 4
+    for a, b in zip(model.get_weights(), big.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_weigh_micro_batches_a_window_of_zero_weight_steps_with_a_zero_mean():
+    # Every item of the first window weighs zero: its mean gradient is 0
+    # (Keras divides the loss by its weight with `divide_no_nan`), not 0 / 0.
+    x, y = X[:16], Y[:16]
+    weights = np.concatenate([np.zeros(8, "float32"), np.ones(8, "float32")])
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    big = build_model()
+    big.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss)
+    big.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model = build_model()
+    model.compile(
+        optimizer=ka.GradientAccumulation(keras.optimizers.SGD(0.1, momentum=0.9), steps=2),
+        loss=loss,
+    )
+    ka.weigh_micro_batches(model)
+    model.fit(x, y, sample_weight=weights, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert model.optimizer.iterations.numpy() == 2
+    for a, b in zip(model.get_weights(), big.get_weights()):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_mirrored_skip_on_one_replica_leaves_no_stale_replica_sum():
     # Window 1: all finite. Window 2: replica 1 non-finite on both calls: its
     # sum from window 1 must not enter window 2 (a stale replica sum).

@@ -342,6 +342,29 @@ def test_weigh_micro_batches_makes_a_short_last_batch_exact():
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(unweighed, big)) > 1e-3
 
 
+@pytest.mark.skipif(BACKEND == "jax", reason="refused under JAX (below)")
+def test_weigh_micro_batches_counts_a_zero_weight_micro_batch_as_zero_items():
+    """Items 8-15 of 32 weigh zero under a token-mean loss: the second
+    micro-batch of 8 adds nothing to the big batch's mean, and nothing to
+    the window's count (0.3.0 counted it as one item)."""
+    x, y = data(32)
+    weights = np.ones(32, "float32")
+    weights[8:16] = 0.0
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+
+    def trained(optimizer, batch_size, weigh):
+        net = model()
+        net.compile(optimizer=optimizer, loss=loss)
+        if weigh:
+            ka.weigh_micro_batches(net)
+        net.fit(x, y, sample_weight=weights, batch_size=batch_size, shuffle=False, verbose=0)
+        return net.get_weights()
+
+    big = trained(keras.optimizers.Adam(0.01), 16, False)
+    accumulated = trained(ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=2), 8, True)
+    assert_close(accumulated, big, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's jitted step")
 def test_weigh_micro_batches_refused_under_jax():
     net = model()
