@@ -170,7 +170,13 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         are accumulated but not applied."""
         if not _backend.executing_eagerly() or getattr(self, "_warned_pending", False):
             return
-        pending = self.pending_micro_batches()
+        try:
+            pending = self.pending_micro_batches()
+        except Exception:
+            # Keras calls this in a `finally` also when a step failed (under
+            # JAX the state may then be unreadable): a warning must never
+            # replace the user's own error.
+            return
         if pending:
             # Once per optimizer: `fit(epochs=1)` in a loop is a pattern the
             # README shows, and a partial window carries over to the next.

@@ -144,7 +144,9 @@ def explained():
 
     TensorFlow reports an error of a compiled step as "Graph execution
     error:" followed by the trace of the op that failed; the optimizer's
-    words are buried below it. Other errors pass through unchanged.
+    words are buried below it. Under PyTorch the eager step raises
+    `NonFiniteGradientError` itself (JAX refuses `"raise"`: a compiled step
+    cannot raise). Other errors pass through unchanged, on every backend.
 
     Example:
         ::
@@ -154,8 +156,13 @@ def explained():
     """
     try:
         yield
-    except tf.errors.InvalidArgumentError as error:
-        found = _RAISED.search(error.message or "")
+    except NonFiniteGradientError:
+        raise  # PyTorch's eager step raises it in one line already
+    except Exception as error:
+        # TensorFlow: an `InvalidArgumentError` whose `message` holds the
+        # optimizer's words. No TensorFlow name here: under JAX and PyTorch
+        # `tf` is a stand-in that no `except` clause may name.
+        found = _RAISED.search(getattr(error, "message", None) or str(error))
         if found is None:
             raise
         raise NonFiniteGradientError(f"{found.group(1)} {found.group(2)}") from None

@@ -25,7 +25,7 @@ import warnings
 import keras
 from keras import ops
 
-from keras_accum import _backend, _compat
+from keras_accum import _backend, _compat, nonfinite
 
 
 def masked(keep, new, old):
@@ -69,10 +69,10 @@ def apply(optimizer, grads, variables, weight, overwrite):
     if screens:
         ok = all_finite(grads)
         if optimizer.nonfinite == "raise":
-            if not bool(ok):
-                raise FloatingPointError(
-                    f"{type(optimizer).__name__} '{optimizer.name}': non-finite gradient "
-                    "(nonfinite='raise')"
+            if not bool(ok):  # eager (PyTorch): one line, as `nonfinite.explained` gives
+                step = int(ops.convert_to_numpy(optimizer._micro_step)) + 1
+                raise nonfinite.NonFiniteGradientError(
+                    f"{optimizer.name}: {nonfinite.MESSAGE} at micro-step {step}"
                 )
             ok = True
         else:

@@ -1,0 +1,104 @@
+"""What a user sees when a step fails, on every backend: their own error,
+never one of ours raised after it, and our refusals in one line.
+
+Keras calls `optimizer.finalize_variable_values` in a `finally` after
+`fit`, also when a step failed; under JAX the optimizer's state may then be
+unreadable, and 0.3.0's end-of-fit window check raised `TypeError:
+'NoneType' object is not callable` over the user's error.
+`nonfinite.explained()` named TensorFlow's error class in an `except`, a
+`TypeError` of its own under JAX and PyTorch.
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+
+import keras_accum as ka
+from keras_accum import nonfinite
+
+BACKEND = keras.backend.backend()
+
+MAKERS = {
+    "adam": lambda **kw: keras.optimizers.Adam(1e-3),
+    "ga": lambda **kw: ka.GradientAccumulation(keras.optimizers.Adam(1e-3), 4, **kw),
+    "ua": lambda **kw: ka.UpdateAccumulationAdam(1e-3, steps=4, **kw),
+    "ia": lambda **kw: ka.InvariantAdam(1e-3, steps=4, **kw),
+}
+
+
+class Boom(keras.layers.Layer):
+    """A bug in the user's model: its training call raises."""
+
+    def call(self, x, training=None):
+        if training:
+            raise ValueError("user bug: boom")
+        return x
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+
+
+def model(*extra):
+    return keras.Sequential([keras.Input((4,)), *extra, keras.layers.Dense(1)])
+
+
+def failure(call):
+    """(type name, message) of what `call` raises."""
+    with pytest.raises(Exception) as caught:
+        call()
+    return type(caught.value).__name__, str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["ga", "ua", "ia"])
+def test_a_failing_model_shows_the_users_error_as_plain_adam_does(name):
+    x, y = data()
+
+    def fit(make):
+        net = model(Boom())
+        net.compile(optimizer=make(), loss="mse")
+        net.fit(x, y, batch_size=8, verbose=0)
+
+    expected = failure(lambda: fit(MAKERS["adam"]))
+    assert expected[0] == "ValueError" and "user bug: boom" in expected[1]
+    assert failure(lambda: fit(MAKERS[name])) == expected
+
+
+# (case, backend) -> what the user sees: the error's type and a regex of its one line.
+RAISE_POLICY = {
+    "tensorflow": ("NonFiniteGradientError", r"^{opt}: non-finite gradient .* at micro-step 2$"),
+    "torch": ("NonFiniteGradientError", r"^{opt}: non-finite gradient .* at micro-step 2$"),
+    "jax": ("ValueError", r"nonfinite='raise' cannot stop a compiled JAX step.*Received"),
+}
+
+
+@pytest.mark.parametrize("name", ["ga", "ua", "ia"])
+def test_raise_policy_under_explained_says_one_line(name):
+    x, y = data()
+    y[9] = np.nan  # the second micro-batch of 8
+    optimizer = MAKERS[name](nonfinite="raise")
+    net = model()
+    net.compile(optimizer=optimizer, loss="mse")
+
+    def fit():
+        with nonfinite.explained():
+            net.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    kind, message = failure(fit)
+    expected_kind, pattern = RAISE_POLICY[BACKEND]
+    assert kind == expected_kind, message
+    assert "\n" not in message
+    assert re.search(pattern.format(opt=optimizer.name), message), message
+
+
+@pytest.mark.parametrize(
+    "error", [ValueError("mine"), KeyError("mine"), RuntimeError("x: non-finite")]
+)
+def test_explained_passes_other_errors_through_unchanged(error):
+    with pytest.raises(type(error)) as caught:
+        with nonfinite.explained():
+            raise error
+    assert caught.value is error
