@@ -23,11 +23,10 @@ that recomputes its layers in the backward pass: less activation memory
 when one micro-batch does not fit.
 """
 
-import os as _os
-
-_os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-
-import keras as _keras  # noqa: E402
+# No backend is chosen here: `KERAS_BACKEND` or ~/.keras/keras.json decide,
+# as for Keras itself. The scripts and the harness, which need TensorFlow,
+# set it themselves or refuse in one line.
+import keras as _keras
 
 from keras_accum import _floor  # noqa: E402
 

@@ -26,6 +26,9 @@ import time
 
 from absl import app, flags
 
+# The harness is TensorFlow: this script sets the backend itself (an explicit
+# KERAS_BACKEND is kept, and then refused in one line if it is another).
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the package of this checkout
 

@@ -16,6 +16,9 @@ import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The harness is TensorFlow: this script sets the backend itself (an explicit
+# KERAS_BACKEND is kept, and then refused in one line if it is another).
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # Use the package of this checkout, whatever else is installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 

@@ -19,6 +19,9 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The harness is TensorFlow: this script sets the backend itself (an explicit
+# KERAS_BACKEND is kept, and then refused in one line if it is another).
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # TensorFlow's BFC allocator on the CPU reports its peak: final.json records
 # the run's peak tensor memory (the GPU's allocator always reports it).
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")

@@ -102,3 +102,26 @@ def test_explained_passes_other_errors_through_unchanged(error):
         with nonfinite.explained():
             raise error
     assert caught.value is error
+
+
+def test_import_chooses_no_backend(tmp_path):
+    """`import keras_accum` leaves the backend to KERAS_BACKEND and
+    keras.json, as Keras does (0.3.0 set TensorFlow when the variable was
+    unset, over a keras.json that said otherwise). Keras's numpy backend
+    stands in for any other: it is always installed."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": "numpy"}))
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    env["KERAS_HOME"] = str(tmp_path)
+    env["PYTHONPATH"] = str(pathlib.Path(ka.__file__).parents[1])
+    code = "import keras_accum, keras, sys; print(keras.backend.backend(), 'tensorflow' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["numpy", "False"]
