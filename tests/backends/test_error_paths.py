@@ -119,7 +119,10 @@ def test_import_chooses_no_backend(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     env["KERAS_HOME"] = str(tmp_path)
     env["PYTHONPATH"] = str(pathlib.Path(ka.__file__).parents[1])
-    code = "import keras_accum, keras, sys; print(keras.backend.backend(), 'tensorflow' in sys.modules)"
+    code = (
+        "import keras_accum, keras, sys; "
+        "print(keras.backend.backend(), 'tensorflow' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )

@@ -198,6 +198,70 @@ def test_ema_acts_once_per_update(name):
         np.testing.assert_allclose(v.numpy(), a, rtol=1e-6, atol=1e-7)
 
 
+def test_ema_against_kerass_own_accumulation_exactly():
+    """What `ema_momentum ** steps` matches of Keras's own accumulation, and
+    what it does not, as identities over the weights after each update.
+
+    Keras's `gradient_accumulation_steps` steps the EMA (momentum rho) at
+    every micro-step, the weights standing still between updates; its
+    `iterations` counts updates, so the first window's micro-steps copy the
+    weights (v_1 after the first update). Just before update k+1 its
+    average is the rho**steps EMA of v_1, .., v_k started at v_1 (call it
+    A_k), and right after an update it has moved one micro-step toward the
+    new weights: rho A_k + (1 - rho) v_(k+1).
+    `GradientAccumulation(SGD(ema_momentum=rho**steps))` steps once per
+    update, at the update: the rho**steps EMA of v_1, .., v_K. Equal just
+    before each update; right after one (where `fit` ends) Keras's average
+    lags the last update by the window's other micro-steps."""
+    rho, steps, windows = 0.9, 4, 3
+    keras_vars, ours_vars = make_variables()[:2], make_variables()[:2]
+    keras_opt = keras.optimizers.SGD(
+        0.1, use_ema=True, ema_momentum=rho, gradient_accumulation_steps=steps
+    )
+    ours = ka.GradientAccumulation(
+        keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=rho**steps), steps=steps
+    )
+    after_updates = [[v.numpy().astype("float64") for v in ours_vars]]  # v_0
+    for j in range(steps * windows):
+        grads = grads_for(keras_vars, j % len(GRADS))
+        keras_opt.apply(grads, keras_vars)
+        ours.apply(grads, ours_vars)
+        if (j + 1) % steps == 0:
+            after_updates.append([v.numpy().astype("float64") for v in ours_vars])
+        if (j + 2) % steps == 0 and j > steps:  # the micro-step before an update
+            for a, b in zip(
+                keras_opt._model_variables_moving_average,
+                ours.inner_optimizer._model_variables_moving_average,
+            ):
+                np.testing.assert_allclose(
+                    ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-6
+                )
+    for a, b in zip(keras_vars, ours_vars):  # the same weights: an equal-size window mean
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+
+    def ema(values, momentum):
+        average = values[0]
+        for v in values[1:]:
+            average = [momentum * a + (1 - momentum) * x for a, x in zip(average, v)]
+        return average
+
+    expected_ours = ema(after_updates[1:], rho**steps)
+    a_k = ema(after_updates[1:-1], rho**steps)
+    expected_keras = [rho * a + (1 - rho) * v for a, v in zip(a_k, after_updates[-1])]
+    keras_average = [ops.convert_to_numpy(a) for a in keras_opt._model_variables_moving_average]
+    ours_average = [
+        ops.convert_to_numpy(a) for a in ours.inner_optimizer._model_variables_moving_average
+    ]
+    for got, want in zip(keras_average, expected_keras):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(ours_average, expected_ours):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Not the same average: the gap is of the order of one window's move.
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(keras_average, ours_average))
+    move = max(float(np.max(np.abs(a - b))) for a, b in zip(after_updates[-1], after_updates[-2]))
+    assert gap > 0.1 * move
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_overwrite_with_gradient_takes_the_last_micro_batch(name):
     variables = make_variables("overwrite_with_gradient")
