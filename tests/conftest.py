@@ -64,6 +64,7 @@ SLOW_FILES = {
     "test_data_parallel.py",  # two JAX devices in a subprocess (.ci/backends)
     "test_jax_bench_smoke.py",  # the JAX bench in a subprocess (.ci/backends)
     "test_held_memory.py",  # a subprocess per measurement
+    "test_install_without_tensorflow.py",  # a JAX child without TensorFlow (about 9 s)
     "test_invariance.py",  # the invariance study end to end
     "test_kill_drill.py",  # the SIGKILL drill
     "test_multiworker.py",  # two worker processes on 127.0.0.1

@@ -61,4 +61,11 @@ def test_setup_cfg_declares_the_same_floor():
     config.read(ROOT / "setup.cfg")
     requires = config["options"]["install_requires"].split()
     assert f"keras>={_floor.KERAS_FLOOR}" in requires
-    assert any(re.fullmatch(r"tensorflow>=\d+\.\d+\.\d+", r) for r in requires), requires
+    # TensorFlow is an extra (`[tensorflow]`, which `[experiments]` and `[test]`
+    # bring): a JAX or PyTorch install does not pull it in.
+    assert not any(r.startswith("tensorflow") for r in requires), requires
+    extras = config["options.extras_require"]
+    tensorflow = extras["tensorflow"].split()
+    assert len(tensorflow) == 1 and re.fullmatch(r"tensorflow>=\d+\.\d+\.\d+", tensorflow[0])
+    assert "keras_accum[tensorflow]" in extras["experiments"].split()
+    assert "keras_accum[experiments]" in extras["test"].split()
