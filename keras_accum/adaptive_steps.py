@@ -59,7 +59,8 @@ class AdaptiveSteps(StepsSchedule):
                                     min_steps, max_steps))
 
     With a `warmup`, a window starting before the handover micro-step
-    h = `warmup.boundaries[-1]` has the warmup's size, and from h on
+    h = `warmup.micro_step_boundaries[-1]` (its last boundary, in micro-steps
+    whatever its `unit`) has the warmup's size, and from h on
     max(warmup.values[-1], decided). Estimates observed during the warmup
     feed the average, so that it has settled by h. The optimizer reads the
     size when a window starts: a window in progress finishes with the size
@@ -103,7 +104,8 @@ class AdaptiveSteps(StepsSchedule):
             whose spread is half a single estimate's; waiting longer delays
             every gain, and each estimate costs probe passes.
         warmup: None, or a `PiecewiseSteps` with at least one boundary and
-            values <= max_steps: the sizes until its last boundary.
+            values <= max_steps: the sizes until its last boundary (in any
+            `unit`; in examples, with this `micro_batch_size`).
         powers_of_two: round each decided size up to a power of two (then
             min_steps and max_steps must be powers of two): every size
             divides max_steps, so windows end where any multiple of
@@ -133,7 +135,7 @@ class AdaptiveSteps(StepsSchedule):
             "smoothing", smoothing, minimum=0.0, maximum=1.0, open_maximum=True
         )
         self.min_observations = check_int("min_observations", min_observations)
-        self.warmup = _check_warmup(warmup, self.max_steps)
+        self.warmup = _check_warmup(warmup, self.max_steps, self.micro_batch_size)
         if not isinstance(powers_of_two, bool):
             raise ValueError(
                 f"`powers_of_two` must be True or False. Received: powers_of_two={powers_of_two!r}"
@@ -211,7 +213,7 @@ class AdaptiveSteps(StepsSchedule):
         if self.warmup is None:
             return steps
         step = ops.cast(micro_step, steps.dtype)
-        return ops.where(step < self.warmup.boundaries[-1], self.warmup(step), steps)
+        return ops.where(step < self.warmup.micro_step_boundaries[-1], self.warmup(step), steps)
 
     def squared_norm(self):
         """The squared-norm function of `noise_estimate` for the optimizer
@@ -287,7 +289,7 @@ class AdaptiveSteps(StepsSchedule):
         return ops.where(some, ema / correction, wide(math.nan))
 
     def _record(self, micro_step, b_simple, smoothed, count, size):
-        if self.warmup is not None and micro_step < self.warmup.boundaries[-1]:
+        if self.warmup is not None and micro_step < self.warmup.micro_step_boundaries[-1]:
             reason = "warmup"
         elif count < self.min_observations:
             reason = "settling"
@@ -372,7 +374,7 @@ def _kwargs(values):
     return ", ".join(f"{key}={value}" for key, value in values.items())
 
 
-def _check_warmup(warmup, max_steps):
+def _check_warmup(warmup, max_steps, micro_batch_size):
     """`warmup` if None or a PiecewiseSteps that can hand over, else ValueError."""
     if warmup is None:
         return None
@@ -384,5 +386,10 @@ def _check_warmup(warmup, max_steps):
     if warmup.max_steps > max_steps:
         raise ValueError(
             f"`warmup` values must be <= max_steps={max_steps}. Received: warmup={warmup!r}"
+        )
+    if warmup.micro_batch_size not in (None, micro_batch_size):
+        raise ValueError(
+            f"`warmup` in examples must have the schedule's micro_batch_size={micro_batch_size}. "
+            f"Received: warmup={warmup!r}"
         )
     return warmup

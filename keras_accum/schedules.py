@@ -9,7 +9,9 @@ window holds kappa = steps x replicas micro-batches, as with a constant
 `steps`.
 
 * `PiecewiseSteps(boundaries, values)`: fixed switches, e.g. 1 micro-batch
-  per update for the first 2000 micro-steps, then 4, then 16 after 8000.
+  per update for the first 2000 micro-steps, then 4, then 16 after 8000;
+  boundaries in micro-steps, or with `unit="examples"` / `"tokens"` in
+  examples or tokens over all replicas.
 * `AdaptiveSteps(min_steps, max_steps, micro_batch_size, ...)`: grows the
   window with a smoothed gradient noise scale, kappa ~ B_simple / micro-batch
   size (McCandlish et al. 2018), never decreasing, optionally after a
@@ -30,7 +32,7 @@ from typing import Any
 from keras import ops, saving
 
 from keras_accum import _backend
-from keras_accum.validation import check_int, is_integer
+from keras_accum.validation import check_choice, check_int, is_integer
 
 
 class StepsSchedule:
@@ -60,13 +62,39 @@ class StepsSchedule:
         return cls(**config)
 
 
+# The units `PiecewiseSteps` boundaries may be given in, and the argument
+# that says how many of each unit one micro-step consumes.
+UNITS = ("micro_steps", "examples", "tokens")
+_PER_MICRO_STEP = {"examples": "micro_batch_size", "tokens": "tokens_per_micro_batch"}
+
+
 @saving.register_keras_serializable(package="keras_accum")
 class PiecewiseSteps(StepsSchedule):
-    """Window sizes that switch at fixed micro-steps.
+    """Window sizes that switch at fixed points of the run.
 
     The window that starts at micro-step s (micro-batches per replica, the
     optimizer's `micro_step`) has `values[i]` micro-batches per replica,
-    where i is the number of `boundaries` <= s.
+    where i is the number of `boundaries` at or before s.
+
+    `boundaries` are in micro-steps by default. With `unit="examples"` they
+    count examples over all replicas, as Megatron's and OLMo's batch-size
+    ramps do: micro-step s has consumed s x `micro_batch_size` examples,
+    `micro_batch_size` being the examples of one micro-step summed over the
+    replicas (`model.fit`'s `batch_size`; the per-replica micro-batch size x
+    replicas under a `tf.distribute` strategy; the global batch under a
+    Keras `DataParallel` distribution). With `unit="tokens"`,
+    `tokens_per_micro_batch` (sequence length x `micro_batch_size`, over
+    all replicas) plays that part; it must be fixed (packed or padded
+    sequences): no token counter is kept. Either way the count is
+    s x the per-micro-step amount, so a short last batch of an epoch counts
+    as a full one.
+
+    A boundary b in examples switches at the first micro-step whose count
+    reaches it, ceil(b / micro_batch_size) (`micro_step_boundaries`): a
+    boundary that is not a multiple of `micro_batch_size` is rounded up to
+    the next micro-step, and the window there is the first to get the new
+    value. Two boundaries that round to the same micro-step are refused
+    (the value between them would never be used).
 
     Example:
         kappa = 1 for 2000 micro-steps, then 4, then 16 from micro-step 8000:
@@ -77,12 +105,58 @@ class PiecewiseSteps(StepsSchedule):
         >>> steps.max_steps
         16
 
+        The same, in examples, for micro-batches of 32 examples:
+
+        >>> steps = keras_accum.PiecewiseSteps(
+        ...     [64_000, 256_000], [1, 4, 16], unit="examples", micro_batch_size=32
+        ... )
+        >>> steps.micro_step_boundaries
+        [2000, 8000]
+
     Args:
-        boundaries: strictly increasing integers >= 1 (micro-steps).
+        boundaries: strictly increasing integers >= 1, in `unit`.
         values: integers >= 1, one more than `boundaries`.
+        unit: what `boundaries` count: "micro_steps" (default), "examples"
+            or "tokens", over all replicas.
+        micro_batch_size: with `unit="examples"` (and only then), the
+            examples one micro-step consumes over all replicas (>= 1).
+        tokens_per_micro_batch: with `unit="tokens"` (and only then), the
+            tokens one micro-step consumes over all replicas (>= 1).
     """
 
-    def __init__(self, boundaries: Sequence[int], values: Sequence[int]):
+    def __init__(
+        self,
+        boundaries: Sequence[int],
+        values: Sequence[int],
+        unit: str = "micro_steps",
+        micro_batch_size: int | None = None,
+        tokens_per_micro_batch: int | None = None,
+    ):
+        self.unit = check_choice("unit", unit, UNITS)
+        sizes = {
+            "micro_batch_size": micro_batch_size,
+            "tokens_per_micro_batch": tokens_per_micro_batch,
+        }
+        needed = _PER_MICRO_STEP.get(self.unit)
+        for name, size in sizes.items():
+            if name != needed and size is not None:
+                wanted = next(u for u, n in _PER_MICRO_STEP.items() if n == name)
+                raise ValueError(
+                    f"`{name}` is only used with unit={wanted!r}; here unit={self.unit!r}. "
+                    f"Received: {name}={size!r}"
+                )
+        if needed is not None and (
+            isinstance(sizes[needed], bool) or not is_integer(sizes[needed]) or sizes[needed] < 1
+        ):
+            raise ValueError(
+                f"`{needed}` must be an integer >= 1 with unit={self.unit!r} ({self.unit} per "
+                f"micro-step over all replicas). Received: {needed}={sizes[needed]!r}"
+            )
+        self.micro_batch_size = None if micro_batch_size is None else int(micro_batch_size)
+        self.tokens_per_micro_batch = (
+            None if tokens_per_micro_batch is None else int(tokens_per_micro_batch)
+        )
+        per_micro_step = int(sizes[needed]) if needed else 1
         self.boundaries = _int_list("boundaries", boundaries, 1)
         self.values = _int_list("values", values, 1)
         if not self.values:
@@ -96,23 +170,43 @@ class PiecewiseSteps(StepsSchedule):
             raise ValueError(
                 f"`boundaries` must be strictly increasing. Received: boundaries={boundaries!r}"
             )
+        # The first micro-step s with s x per_micro_step >= b: ceil(b / per).
+        self.micro_step_boundaries = [-(-b // per_micro_step) for b in self.boundaries]
+        steps = self.micro_step_boundaries
+        for i, (a, b) in enumerate(zip(steps, steps[1:])):
+            if a == b:
+                raise ValueError(
+                    f"`boundaries` {self.boundaries[i]} and {self.boundaries[i + 1]} ({self.unit}) "
+                    f"both switch at micro-step {a} ({needed}={per_micro_step}), so "
+                    f"values[{i + 1}] would never be used. Received: boundaries={boundaries!r}"
+                )
         self.min_steps, self.max_steps = min(self.values), max(self.values)
 
     def __call__(self, micro_step):
         step = ops.cast(micro_step, _backend.INT)
         values = ops.convert_to_tensor(self.values, _backend.INT)
-        if not self.boundaries:
+        if not self.micro_step_boundaries:
             return values[0]
         # i = number of boundaries <= s
-        boundaries = ops.convert_to_tensor(self.boundaries, _backend.INT)
+        boundaries = ops.convert_to_tensor(self.micro_step_boundaries, _backend.INT)
         index = ops.sum(ops.cast(ops.less_equal(boundaries, step), _backend.INT))
         return ops.take(values, index)
 
+    def _unit_arguments(self):
+        """`unit` and its size, or nothing for micro-steps (the configs of
+        keras_accum 0.3.0 and before, which load the same and load there)."""
+        needed = _PER_MICRO_STEP.get(self.unit)
+        if needed is None:
+            return {}
+        return {"unit": self.unit, needed: getattr(self, needed)}
+
     def get_config(self):
-        return {"boundaries": list(self.boundaries), "values": list(self.values)}
+        config = {"boundaries": list(self.boundaries), "values": list(self.values)}
+        return {**config, **self._unit_arguments()}
 
     def __repr__(self):
-        return f"PiecewiseSteps(boundaries={self.boundaries}, values={self.values})"
+        extra = "".join(f", {k}={v!r}" for k, v in self._unit_arguments().items())
+        return f"PiecewiseSteps(boundaries={self.boundaries}, values={self.values}{extra})"
 
 
 def _int_list(name, values, minimum):

@@ -96,6 +96,57 @@ def test_piecewise_refuses_bad_arguments(boundaries, values, match):
         ka.PiecewiseSteps(boundaries, values)
 
 
+# Each bad input of the units: (arguments, the start of the one-line error).
+BAD_UNITS = [
+    ({"unit": "samples"}, "`unit` must be one of 'micro_steps', 'examples', 'tokens'"),
+    ({"unit": None}, "`unit` must be one of"),
+    ({"unit": "examples"}, "`micro_batch_size` must be an integer >= 1 with unit='examples'"),
+    ({"unit": "examples", "micro_batch_size": 0}, "`micro_batch_size` must be an integer >= 1"),
+    ({"unit": "examples", "micro_batch_size": -32}, "`micro_batch_size` must be an integer >= 1"),
+    ({"unit": "examples", "micro_batch_size": 2.5}, "`micro_batch_size` must be an integer >= 1"),
+    ({"unit": "examples", "micro_batch_size": True}, "`micro_batch_size` must be an integer >= 1"),
+    ({"unit": "tokens"}, "`tokens_per_micro_batch` must be an integer >= 1 with unit='tokens'"),
+    ({"unit": "tokens", "tokens_per_micro_batch": 0}, "`tokens_per_micro_batch` must be"),
+    ({"micro_batch_size": 32}, "`micro_batch_size` is only used with unit='examples'"),
+    ({"tokens_per_micro_batch": 64}, "`tokens_per_micro_batch` is only used with unit='tokens'"),
+    (
+        {"unit": "tokens", "micro_batch_size": 32, "tokens_per_micro_batch": 64},
+        "`micro_batch_size` is only used with unit='examples'; here unit='tokens'",
+    ),
+    (
+        {"unit": "examples", "micro_batch_size": 32, "boundaries": [64, 64]},
+        "`boundaries` must be strictly increasing",
+    ),
+    (
+        {"unit": "examples", "micro_batch_size": 32, "boundaries": [0, 64]},
+        "`boundaries` must be a list of integers >= 1",
+    ),
+    (
+        {"unit": "examples", "micro_batch_size": 32, "boundaries": [64.0, 128]},
+        "`boundaries` must be a list of integers >= 1",
+    ),
+    (  # 40 and 64 examples both switch at micro-step 2: values[1] never used
+        {"unit": "examples", "micro_batch_size": 32, "boundaries": [40, 64]},
+        "`boundaries` 40 and 64 (examples) both switch at micro-step 2",
+    ),
+    (
+        {"unit": "tokens", "tokens_per_micro_batch": 1024, "boundaries": [1, 1024]},
+        "`boundaries` 1 and 1024 (tokens) both switch at micro-step 1",
+    ),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_UNITS, ids=[m for _, m in BAD_UNITS])
+def test_piecewise_units_refuse_bad_arguments_in_one_line(kwargs, message):
+    kwargs = {"boundaries": [64, 128], "values": [1, 2, 4], **kwargs}
+    with pytest.raises(ValueError) as error:
+        ka.PiecewiseSteps(**kwargs)
+    text = str(error.value)
+    assert text.startswith(message) and "\n" not in text, text
+    name = message.split("`")[1]  # the argument named, its value echoed
+    assert f"Received: {name}=" in text, text
+
+
 @pytest.mark.parametrize("steps", [0, 1.5, "4", None, [1, 2]])
 def test_optimizers_refuse_bad_steps(steps):
     with pytest.raises(ValueError, match="`steps` must be an integer >= 1"):
@@ -104,8 +155,18 @@ def test_optimizers_refuse_bad_steps(steps):
 
 def test_config_round_trip():
     schedule = ka.PiecewiseSteps([3, 8], [1, 2, 4])
+    examples = ka.PiecewiseSteps([9, 17], [1, 2, 4], unit="examples", micro_batch_size=4)
+    tokens = ka.PiecewiseSteps([100], [1, 4], unit="tokens", tokens_per_micro_batch=64)
     for opt in (
         ka.InvariantAdam(0.01, steps=schedule, scaling_rule="power"),
+        ka.InvariantAdam(0.01, steps=examples, scaling_rule="power"),
+        ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=tokens),
+        ka.InvariantAdam(
+            0.01,
+            steps=ka.AdaptiveSteps(
+                1, 8, 16, warmup=ka.PiecewiseSteps([50], [1, 2], "examples", 16)
+            ),
+        ),
         ka.UpdateAccumulationAdam(0.01, steps=schedule),
         ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=schedule),
         ka.InvariantAdam(0.01, steps=ka.AdaptiveSteps(1, 8, 32), scaling_rule="invariant"),
@@ -119,6 +180,36 @@ def test_config_round_trip():
         assert type(clone.steps) is type(opt.steps)
         assert clone.steps.get_config() == opt.steps.get_config()
         assert clone.get_config() == opt.get_config()
+        assert repr(clone.steps) == repr(opt.steps)
+        warmup = getattr(opt.steps, "warmup", None)
+        for original, copy in [
+            (opt.steps, clone.steps),
+            (warmup, getattr(clone.steps, "warmup", None)),
+        ]:
+            if isinstance(original, ka.PiecewiseSteps):
+                assert copy.micro_step_boundaries == original.micro_step_boundaries
+    # The config of each spelling, as written (micro-steps: as before units).
+    assert schedule.get_config() == {"boundaries": [3, 8], "values": [1, 2, 4]}
+    assert examples.get_config() == {
+        "boundaries": [9, 17],
+        "values": [1, 2, 4],
+        "unit": "examples",
+        "micro_batch_size": 4,
+    }
+    assert ka.PiecewiseSteps.from_config(tokens.get_config()).micro_step_boundaries == [2]
+    # A config written before units loads as micro-steps.
+    old = ka.PiecewiseSteps.from_config({"boundaries": [3, 8], "values": [1, 2, 4]})
+    assert (old.unit, old.micro_step_boundaries) == ("micro_steps", [3, 8])
+
+
+def test_adaptive_warmup_in_examples_hands_over_at_its_micro_step():
+    # The warmup's last boundary, 50 examples of 16: micro-step ceil(50 / 16) = 4.
+    warmup = ka.PiecewiseSteps([20, 50], [1, 2, 4], unit="examples", micro_batch_size=16)
+    schedule = ka.AdaptiveSteps(1, 8, 16, warmup=warmup)
+    ka.InvariantAdam(0.01, steps=schedule).build([keras.Variable(np.zeros(2, "float32"))])
+    assert [int(schedule(s)) for s in range(6)] == [1, 1, 2, 2, 4, 4]
+    with pytest.raises(ValueError, match=r"^`warmup` in examples must have .*micro_batch_size=32"):
+        ka.AdaptiveSteps(1, 8, 32, warmup=warmup)
 
 
 # -- the optimizers under a schedule, step by step ---------------------------
@@ -373,6 +464,54 @@ def test_save_and_load_mid_window_across_a_switch(name, tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
+# Twins: windows of 1 until micro-step 4, 2 until 8, then 4, in micro-steps
+# and (micro-batches of 4 examples, of 4 x 16 tokens) in examples and tokens
+# that are not multiples of a micro-batch: 13 and 29 examples round up to
+# micro-steps 4 and 8, as do 193 and 449 tokens. 24 micro-batches: 10 windows.
+TWINS = {
+    "micro_steps": lambda: ka.PiecewiseSteps([4, 8], [1, 2, 4]),
+    "examples": lambda: ka.PiecewiseSteps([13, 29], [1, 2, 4], "examples", micro_batch_size=4),
+    "tokens": lambda: ka.PiecewiseSteps([193, 449], [1, 2, 4], "tokens", tokens_per_micro_batch=64),
+}
+
+
+@pytest.mark.parametrize("name", ["invariant_adam_fixed_beta_1_ema", "gradient_accumulation"])
+def test_examples_and_tokens_spellings_train_the_same_model(name):
+    runs = {unit: fit(lambda: MAKERS[name](make()), 4) for unit, make in TWINS.items()}
+    windows = np.cumsum(np_window_sizes([4, 8], [1, 2, 4], 24))  # 24 micro-batches
+    assert (
+        [int(m.optimizer.iterations) for m in runs.values()] == [sum(windows <= 24)] * 3 == [10] * 3
+    )
+    reference = runs.pop("micro_steps").get_weights()
+    for model in runs.values():
+        for a, b in zip(model.get_weights(), reference):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_save_and_load_mid_run_keeps_a_schedule_in_examples(tmp_path):
+    # Saved at micro-step 5, inside the window of 2 that starts at 4 (13
+    # examples rounded up), loaded with its unit and continued: the same
+    # weights as the uninterrupted micro-step twin.
+    whole = fit(lambda: MAKERS["invariant_adam"](TWINS["micro_steps"]()), 4)
+    model = build_model()
+    model.compile(optimizer=MAKERS["invariant_adam"](TWINS["examples"]()), loss="mse")
+    model.fit(X[:20], Y[:20], batch_size=4, shuffle=False, verbose=0)
+    assert int(model.optimizer.micro_step) == 5 and int(model.optimizer.window_steps) == 2
+    model.save(str(tmp_path / "examples.keras"))
+    restored = keras.models.load_model(str(tmp_path / "examples.keras"))
+    steps = restored.optimizer.steps
+    assert type(steps) is ka.PiecewiseSteps
+    assert steps.get_config() == TWINS["examples"]().get_config()
+    assert (steps.unit, steps.micro_batch_size) == ("examples", 4)
+    assert steps.micro_step_boundaries == [4, 8]
+    assert int(restored.optimizer.window_steps) == 2
+    restored.fit(X[20:], Y[20:], batch_size=4, shuffle=False, verbose=0)
+    restored.fit(X, Y, batch_size=4, shuffle=False, verbose=0)
+    assert int(restored.optimizer.iterations) == int(whole.optimizer.iterations) == 10
+    for a, b in zip(restored.get_weights(), whole.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 def fit(optimizer, batch_size, strategy=None):
     strategy = strategy or tf.distribute.get_strategy()
     with strategy.scope():
@@ -400,6 +539,23 @@ def test_mirrored_equals_one_device_with_schedule_doubled(name):
         ]
         for a, b in zip(*averages):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_mirrored_examples_are_global():
+    # micro_batch_size counts examples over all replicas (fit's batch_size):
+    # on 2 replicas at batch 8, 16 examples is micro-step 2, the micro-step
+    # twin exactly; and one device at batch 4 with the same boundary in
+    # examples (micro-step 4, windows twice as long) trains the same model.
+    make = MAKERS["invariant_adam"]
+    strategy = mirrored_strategy()
+    model = fit(lambda: make(ka.PiecewiseSteps([16], [1, 2], "examples", 8)), 8, strategy)
+    twin = fit(lambda: make(ka.PiecewiseSteps([2], [1, 2])), 8, strategy)
+    one_device = fit(lambda: make(ka.PiecewiseSteps([16], [2, 4], "examples", 4)), 4)
+    assert int(model.optimizer.iterations.numpy()) == 7
+    assert int(one_device.optimizer.iterations.numpy()) == 7
+    for a, b, c in zip(model.get_weights(), twin.get_weights(), one_device.get_weights()):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
 
 
 def test_mirrored_update_accumulation_adam_with_schedule():

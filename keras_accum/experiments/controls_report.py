@@ -270,6 +270,21 @@ def best_learning_rate(workdir, arm, metric="val_loss"):
     return min(finals, key=lambda lr: np.mean(finals[lr]))
 
 
+def gap_to_best_constant_lr(workdir, arm=COSINE):
+    """(gap, best): how far `arm`'s mean final test loss lies below that of
+    `best`, the best constant-lr arm on the same examples (the config's
+    arms with neither a `decay` nor their own `examples`); positive when
+    `arm` ends lower."""
+    config, rows, _, _ = load(workdir)
+    means = {
+        name: float(np.mean([c[-1]["test_loss"] for c in arm_curves(rows, name).values()]))
+        for name, spec in config["arms"].items()
+        if name == arm or not ({"decay", "examples"} & set(spec))
+    }
+    best = min((name for name in means if name != arm), key=means.get)
+    return means[best] - means[arm], best
+
+
 def rerun_difference(rows, metrics=("train_loss", "val_loss", "test_loss")):
     """{arm: max |rerun - first run|} over the evaluations and `metrics` of
     each rerun (the same seed and lr twice in one process)."""

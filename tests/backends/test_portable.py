@@ -137,11 +137,45 @@ def test_skip_window_drops_the_window(optimizer):
     assert all(np.all(np.isfinite(keras.ops.convert_to_numpy(p))) for p in params)
 
 
+# One schedule, three spellings: 1 -> 3 at micro-step 2; 5 examples of 4
+# and 65 tokens of 64 round up to it.
+SPELLINGS = {
+    "micro_steps": lambda: ka.PiecewiseSteps([2], [1, 3]),
+    "examples": lambda: ka.PiecewiseSteps([5], [1, 3], unit="examples", micro_batch_size=4),
+    "tokens": lambda: ka.PiecewiseSteps([65], [1, 3], unit="tokens", tokens_per_micro_batch=64),
+}
+
+
+@pytest.mark.parametrize(
+    "unit, per_micro_step",
+    [("micro_steps", 1), ("examples", 32), ("examples", 7), ("tokens", 4 * 128)],
+)
+def test_piecewise_value_at_each_micro_step_in_each_unit(unit, per_micro_step):
+    """The window starting at micro-step s gets values[#{b <= s x per}]: a
+    boundary switches at the first micro-step whose count reaches it,
+    ceil(b / per), also for boundaries off the micro-batch grid."""
+    size = {"examples": "micro_batch_size", "tokens": "tokens_per_micro_batch"}.get(unit)
+    extra = {size: per_micro_step} if size else {}
+    values = [1, 2, 4, 8]
+    boundaries = [3 * per_micro_step, 5 * per_micro_step - per_micro_step // 2, 9 * per_micro_step]
+    boundaries = sorted(set(boundaries))
+    schedule = ka.PiecewiseSteps(boundaries, values[: len(boundaries) + 1], unit=unit, **extra)
+    expected_steps = [-(-b // per_micro_step) for b in boundaries]
+    assert schedule.micro_step_boundaries == expected_steps
+    for s in range(14):
+        index = sum(b <= s * per_micro_step for b in boundaries)
+        got = int(keras.ops.convert_to_numpy(schedule(keras.ops.convert_to_tensor(s, "int64"))))
+        assert got == values[index], (s, got)
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
 @pytest.mark.parametrize("rule", ["invariant", "power", "fixed_beta_1"])
-def test_schedule_with_scaling_rule(rule):
+def test_schedule_with_scaling_rule(rule, spelling):
     """PiecewiseSteps 1 -> 3: window k of kappa_k micro-batches with lr and
-    betas rescaled (`references.scheduled_invariant_adam`), EMA included."""
-    steps = ka.PiecewiseSteps([2], [1, 3])
+    betas rescaled (`references.scheduled_invariant_adam`), EMA included;
+    the same reference whether the switch is given in micro-steps, examples
+    or tokens."""
+    steps = SPELLINGS[spelling]()
     opt = ka.InvariantAdam(
         0.01, steps=steps, scaling_rule=rule, use_ema=True, ema_momentum=0.9, weight_decay=0.1
     )
@@ -227,8 +261,11 @@ def test_fit_counts_updates():
         lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4),
         lambda: ka.UpdateAccumulationAdam(0.01, steps=4),
         lambda: ka.InvariantAdam(0.01, steps=ka.PiecewiseSteps([4], [4, 2]), scaling_rule="power"),
+        lambda: ka.InvariantAdam(  # 4 micro-steps of 8 examples: 25 rounds up to 4
+            0.01, steps=ka.PiecewiseSteps([25], [4, 2], "examples", 8), scaling_rule="power"
+        ),
     ],
-    ids=["ga", "ua", "ia_schedule"],
+    ids=["ga", "ua", "ia_schedule", "ia_schedule_examples"],
 )
 def test_save_mid_window_resumes(make, tmp_path):
     """Saved inside a window and loaded, training goes on as if never
@@ -245,6 +282,9 @@ def test_save_mid_window_resumes(make, tmp_path):
     first.save(path)
     resumed = keras.saving.load_model(path)
     assert resumed.optimizer.pending_micro_batches() == 2
+    if not isinstance(first.optimizer.steps, int):  # the schedule, unit and all
+        assert repr(resumed.optimizer.steps) == repr(first.optimizer.steps)
+        assert resumed.optimizer.steps.get_config() == first.optimizer.steps.get_config()
     resumed.fit(x[16:], y[16:], batch_size=8, epochs=1, shuffle=False, verbose=0)
     resumed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert_close(resumed.get_weights(), whole.get_weights(), rtol=1e-6, atol=1e-7)
