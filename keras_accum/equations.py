@@ -25,7 +25,9 @@ from keras import ops
 
 def window_sum(total, value, start):
     """S = value at the window's start, else S + value (`start` a boolean
-    scalar)."""
+    scalar, or a Python bool where the step runs eagerly)."""
+    if isinstance(start, bool):
+        return value if start else total + value
     return ops.where(start, value, total + value)
 
 

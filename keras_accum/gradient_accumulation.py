@@ -14,6 +14,7 @@ from keras_accum import (
     base,
     equations,
     folds,
+    kernels,
     nonfinite,
     portable,
     schedules,
@@ -344,26 +345,40 @@ class GradientAccumulation(base.AccumulationOptimizer):
             items = ops.cast(weight.items, "float32")
             weight = ops.where(items >= 0.0, items, 1.0)
         share = ops.convert_to_tensor(1.0 if weight is None else weight, "float32")
-        if self.nonfinite == "skip_window":
-            # A bad micro-batch adds zeros to S (kept finite) and NaN to W,
-            # which the window's end reads as "drop" (a scalar).
+        if self.nonfinite == "skip_window" and portable.EAGER:
+            pass  # NaN and Inf propagate into S: checked once, at the window's end
+        elif self.nonfinite == "skip_window":
+            # Traced (JAX): a bad micro-batch adds zeros to S (kept finite)
+            # and NaN to W, which the window's end reads as "drop" (a
+            # scalar, not a read of S on every micro-step).
             ok = portable.all_finite(grads)
-            share = ops.where(ok, share, float("nan"))
-        if ok is not True:
-            # A skipped micro-batch adds nothing (and no weight); the window's
-            # start still resets S and W.
+            share = portable.masked(ok, share, ops.convert_to_tensor(float("nan"), "float32"))
+        if ok is False:
+            # Eager: a skipped micro-batch adds nothing (and no weight); the
+            # window's start still resets S and W.
+            if start is True:
+                for a in accumulators:
+                    a.assign(ops.zeros_like(a))
+            # "skip_window": W = NaN (`share`), and the window is dropped at its end.
+            added = share if self.nonfinite == "skip_window" else ops.zeros_like(share)
+            self._weight.assign(equations.window_sum(self._weight, added, start))
+            return
+        if ok is not True:  # JAX: the same as a mask
             grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
             if self.nonfinite != "skip_window":
                 share = share * ops.cast(ok, "float32")
         if weight is not None:
             scale = ops.convert_to_tensor(weight, "float32")
             grads = [scale * g for g in grads]
-        for a, wg in zip(accumulators, grads):
-            # S = w g at the window's start, else S + w g; W likewise with w.
-            a.assign(equations.window_sum(a, wg, start))
+        # S = w g at the window's start, else S + w g; W likewise with w.
+        kernels.window_sums(accumulators, grads, start)
         self._weight.assign(equations.window_sum(self._weight, share, start))
 
     def _portable_window_ok(self, boundary):
+        if self.nonfinite == "skip_window" and portable.EAGER:
+            # Eager, at the window's end only: its sums hold a NaN or an Inf
+            # when any of its micro-batches did.
+            return portable.all_finite([ops.convert_to_tensor(a) for a in self._accumulators])
         if self.nonfinite == "skip_window":
             return ops.isfinite(ops.convert_to_tensor(self._weight))
         if self.nonfinite == "skip_micro_batch":
@@ -371,8 +386,12 @@ class GradientAccumulation(base.AccumulationOptimizer):
         return True
 
     def _portable_drop(self, dropped):
-        # A bad micro-batch made W NaN: 0 again, so no NaN is left behind.
+        # A bad micro-batch made W NaN (traced) or S (eager): 0 again, so
+        # no NaN is left behind.
         self._weight.assign(portable.masked(dropped, 0.0, self._weight))
+        if dropped is True:
+            for a in self._accumulators:
+                a.assign(ops.zeros_like(a))
 
     def _portable_update(self, variables, keep):
         weight = ops.convert_to_tensor(self._weight)

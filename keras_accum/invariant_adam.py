@@ -14,6 +14,7 @@ from keras_accum import (
     _tensors,
     equations,
     folds,
+    kernels,
     portable,
     scaling,
     schedules,
@@ -333,29 +334,26 @@ class InvariantAdam(AdamFamily):
     # -- JAX and PyTorch (`keras_accum.portable`) ----------------------------
 
     def _portable_fold(self, grads, variables, weight, start, ok):
-        moments = [
-            (self._momentums[i], self._velocities[i])
-            for i in (_compat.variable_index(self, v) for v in variables)
-        ]
-        grads = [ops.cast(g, m.dtype) for g, (m, _) in zip(grads, moments)]
-        if ok is not True:  # a skipped micro-batch counts as a zero gradient
+        indices = [_compat.variable_index(self, v) for v in variables]
+        momentums = [self._momentums[i] for i in indices]
+        velocities = [self._velocities[i] for i in indices]
+        grads = [ops.cast(g, m.dtype) for g, m in zip(grads, momentums)]
+        if ok is False:  # eager: a skipped micro-batch counts as a zero gradient
+            grads = [ops.zeros_like(g) for g in grads]
+        elif ok is not True:
             grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
         grads = self._clip_micro_batch(grads, 1)
         steps, rate_1, rate_2 = self._window_factors(1)
         if self._single_step():  # Keras Adam's form and rounding
-            for g, (m, v) in zip(grads, moments):
-                m_new, v_new = equations.adam_moments(m, v, g, rate_1, rate_2)
-                m.assign(m_new)
-                v.assign(v_new)
+            kernels.adam_moments(momentums, velocities, grads, rate_1, rate_2)
             return
-        first = ops.cast(start, "float32")
-        keep = (1.0 - first * rate_1, 1.0 - first * rate_2)
+        if isinstance(start, bool):  # eager: 1 - first (1 - beta_i,k) in Python
+            keep = (1.0 - rate_1, 1.0 - rate_2) if start else (1.0, 1.0)
+        else:
+            first = ops.cast(start, "float32")
+            keep = (1.0 - first * rate_1, 1.0 - first * rate_2)
         take = (rate_1 / steps, rate_2 * (1.0 / steps))
-        for g, (m, v) in zip(grads, moments):
-            cast = lambda pair, dtype=m.dtype: tuple(ops.cast(x, dtype) for x in pair)
-            m_new, v_new = equations.decayed_moments(m, v, g, cast(keep), cast(take))
-            m.assign(m_new)
-            v.assign(v_new)
+        kernels.decayed_moments(momentums, velocities, grads, keep, take)
 
     def _portable_update(self, variables, keep):
         learning_rate = self.learning_rate

@@ -27,12 +27,41 @@ from keras import ops
 
 from keras_accum import _backend, _compat, nonfinite
 
+# PyTorch runs each call eagerly: there a window's start, its end and a
+# micro-batch's screen are read as Python bools, and what a window's end
+# computes runs only at the end (a Python `if`, as Keras's own accumulation
+# does on PyTorch). JAX traces the step: there they stay boolean tensors and
+# every write is `where(keep, new, old)`.
+EAGER = _backend.BACKEND == "torch"
+
+
+def decided(condition):
+    """`condition` as a Python bool where the step runs eagerly (PyTorch);
+    unchanged (a boolean tensor, or already a bool) under JAX."""
+    if EAGER and not isinstance(condition, bool):
+        return bool(condition)
+    return condition
+
 
 def masked(keep, new, old):
-    """`new` where `keep` holds, else `old`; `new` when `keep` is True."""
+    """`new` where `keep` holds, else `old`; `new` (`old`) when `keep` is
+    True (False)."""
     if keep is True:
         return new
+    if keep is False:
+        return old
     return ops.where(keep, ops.convert_to_tensor(new), ops.convert_to_tensor(old))
+
+
+def both(a, b):
+    """Logical and of two flags (Python bools or boolean tensors)."""
+    if isinstance(a, bool) and isinstance(b, bool):
+        return a and b
+    if a is True or b is True:
+        return b if a is True else a
+    if a is False or b is False:
+        return False
+    return ops.logical_and(a, b)
 
 
 def flag(condition, dtype):
@@ -43,7 +72,15 @@ def flag(condition, dtype):
 
 
 def all_finite(grads):
-    """True when no gradient holds a NaN or an Inf."""
+    """True when no gradient holds a NaN or an Inf (exact).
+
+    Eagerly (PyTorch) a NaN or an Inf propagates into a sum: one reduction
+    per gradient, no boolean tensor; the elementwise test runs only if a
+    float32 sum overflowed (as `nonfinite.all_finite` on TensorFlow)."""
+    if EAGER:
+        sums = ops.stack([ops.sum(ops.cast(g, "float32")) for g in grads])
+        if bool(ops.all(ops.isfinite(sums))):
+            return True
     checks = [ops.all(ops.isfinite(g)) for g in grads]
     result = checks[0]
     for check in checks[1:]:
@@ -61,13 +98,13 @@ def apply(optimizer, grads, variables, weight, overwrite):
             "Received: nonfinite='raise'"
         )
     grads = [ops.convert_to_tensor(g) for g in grads]
-    start = optimizer._start_window()
+    start = decided(optimizer._start_window())
     ok = True
     screens = optimizer.nonfinite in ("skip_micro_batch", "raise") or (
         optimizer.nonfinite == "skip_window" and not optimizer._checks_window_sums
     )
     if screens:
-        ok = all_finite(grads)
+        ok = decided(all_finite(grads))
         if optimizer.nonfinite == "raise":
             if not bool(ok):  # eager (PyTorch): one line, as `nonfinite.explained` gives
                 step = int(ops.convert_to_numpy(optimizer._micro_step)) + 1
@@ -83,7 +120,7 @@ def apply(optimizer, grads, variables, weight, overwrite):
     optimizer._portable_fold(grads, variables, weight, start, ok)
     micro_step = ops.convert_to_tensor(optimizer._micro_step) + 1
     optimizer._micro_step.assign(micro_step)
-    boundary = True if optimizer.steps == 1 else optimizer._window_done(micro_step)
+    boundary = True if optimizer.steps == 1 else decided(optimizer._window_done(micro_step))
     for grad, variable in overwrite:  # float8 scales: the last gradient
         variable.assign(masked(boundary, ops.cast(grad, variable.dtype), variable))
     end_window(optimizer, variables, boundary)
@@ -92,12 +129,18 @@ def apply(optimizer, grads, variables, weight, overwrite):
 def end_window(optimizer, variables, boundary):
     """The window's update where `boundary` holds and the window may be
     applied; the drop counted where it may not."""
-    window_ok = optimizer._portable_window_ok(boundary)
-    keep = boundary if window_ok is True else ops.logical_and(boundary, window_ok)
+    if boundary is False:
+        return  # eager, inside a window: nothing of the window's end runs
+    window_ok = decided(optimizer._portable_window_ok(boundary))
+    keep = both(boundary, window_ok)
     if window_ok is not True:
-        dropped = ops.logical_and(boundary, ops.logical_not(window_ok))
-        optimizer._skipped_updates.assign(optimizer._skipped_updates + flag(dropped, _backend.INT))
-        optimizer._portable_drop(dropped)
+        dropped = both(boundary, window_ok is False or ops.logical_not(window_ok))
+        if dropped is not False:
+            counter = optimizer._skipped_updates
+            counter.assign(counter + flag(dropped, _backend.INT))
+            optimizer._portable_drop(dropped)
+    if keep is False:
+        return
     optimizer._portable_update(variables, keep)
     if optimizer._portable_steps_inner:
         return  # the inner optimizer counted, averaged and constrained

@@ -12,6 +12,7 @@ from keras_accum import (
     _tensors,
     equations,
     folds,
+    kernels,
     portable,
     schedules,
 )
@@ -206,37 +207,49 @@ class UpdateAccumulationAdam(AdamFamily):
 
     def _portable_fold(self, grads, variables, weight, start, ok):
         grads = [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
-        if ok is not True:  # a skipped micro-step moves nothing
+        if ok is not True and ok is not False:  # JAX: a skipped micro-step moves nothing
             grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
         grads = self._clip_micro_batch(grads, 1)
         # t = micro-steps folded into the moments so far (a skip adds none)
         t = ops.convert_to_tensor(self._moment_steps) + portable.flag(ok, _backend.INT)
         self._moment_steps.assign(t)
+        indices = [_compat.variable_index(self, var) for var in variables]
+        momentums = [self._momentums[i] for i in indices]
+        velocities = [self._velocities[i] for i in indices]
+        kernels.adam_moments(momentums, velocities, grads, 1 - self.beta_1, 1 - self.beta_2, ok)
+        if ok is False and self._updates is None:
+            return  # eager, a skipped micro-step: nothing moves
+        # alpha_t, in the variable's dtype without a buffer (Keras Adam), else float32.
         count = ops.maximum(t, 1)
-        learning_rate = self.learning_rate
-        rate_1, rate_2 = 1 - self.beta_1, 1 - self.beta_2
-        for g, var in zip(grads, variables):
-            index = _compat.variable_index(self, var)
-            m, v = self._momentums[index], self._velocities[index]
-            # In the variable's dtype without a buffer (Keras Adam), else float32.
+        alphas = {}
+        for var in variables:
             dtype = var.dtype if self._updates is None else "float32"
-            alpha = equations.adam_alpha(learning_rate, count, self.beta_1, self.beta_2, dtype)
-            m_new, v_new = equations.adam_moments(m, v, g, rate_1, rate_2)
-            m_new, v_new = portable.masked(ok, m_new, m), portable.masked(ok, v_new, v)
-            m.assign(m_new)
-            v.assign(v_new)
-            step = equations.adam_step(m_new, v_new, ops.cast(alpha, var.dtype), self.epsilon)
-            if self._updates is not None:
-                # A = step at the window's start, else A + step.
-                update = self._updates[index]
-                kept = portable.masked(ok, step, ops.zeros_like(step))
-                update.assign(portable.masked(start, ops.zeros_like(step), update) + kept)
-                continue
-            theta = ops.convert_to_tensor(var)
+            if dtype not in alphas:
+                alpha = equations.adam_alpha(
+                    self.learning_rate, count, self.beta_1, self.beta_2, dtype
+                )
+                alphas[dtype] = ops.cast(alpha, var.dtype)
+        alphas = [alphas[var.dtype if self._updates is None else "float32"] for var in variables]
+        if self._updates is not None:
+            # A = step at the window's start, else A + step (a skip adds 0).
+            updates = [self._updates[i] for i in indices]
+            if ok is False:
+                steps = [ops.zeros_like(g) for g in grads]
+            else:
+                steps = kernels.adam_steps(momentums, velocities, alphas, self.epsilon)
+                if ok is not True:
+                    steps = [ops.where(ok, x, ops.zeros_like(x)) for x in steps]
+            kernels.window_sums(updates, steps, start)
+            return
+        # steps == 1: Keras's Adam, decay and step at once.
+        learning_rate = self.learning_rate
+        for var in variables:
             if self.weight_decay is not None and _compat.uses_weight_decay(self, var):
                 rate = ops.cast(learning_rate, var.dtype)
-                theta = equations.decayed(theta, ops.cast(self.weight_decay, var.dtype), rate)
-            var.assign(portable.masked(ok, theta - step, var))
+                decayed = equations.decayed(var, ops.cast(self.weight_decay, var.dtype), rate)
+                var.assign(portable.masked(ok, decayed, var))
+        steps = kernels.adam_steps(momentums, velocities, alphas, self.epsilon)
+        kernels.subtract(variables, steps, ok)
 
     def _portable_update(self, variables, keep):
         if self._updates is None:  # steps == 1: applied in the micro-step

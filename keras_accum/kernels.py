@@ -1,0 +1,133 @@
+"""The optimizers' writes of one micro-batch, list-wise, in the form each
+backend runs fastest, picked once at import.
+
+Each optimizer's rule (its `_portable_fold`) says *what* it writes, with
+the arithmetic of `keras_accum.equations`; these functions say *how*:
+
+* `keras.ops`, one variable at a time (JAX traces it into straight-line
+  code, masks included). A flag (`start`, `keep`) may be a boolean tensor.
+* Under PyTorch, which runs each call eagerly, Keras's own in-place
+  `torch._foreach_*` forms (as `keras/src/backend/torch/optimizers/
+  torch_adam.py`): one kernel per term for every variable, no copy. The
+  flags are Python bools there (`portable.decided`), and a skipped
+  micro-batch writes nothing.
+
+None of them asks which backend it is on: `IN_PLACE` is decided here, once.
+"""
+
+import numbers
+
+from keras import ops
+
+from keras_accum import _backend, equations
+
+IN_PLACE = _backend.BACKEND == "torch"
+
+if IN_PLACE:
+    import torch
+
+
+def _is_number(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _values(variables):
+    """The torch tensors behind Keras variables (written in place)."""
+    return [v.value for v in variables]
+
+
+def _masked(keep, new, old):
+    if keep is True:
+        return new
+    return ops.where(keep, ops.convert_to_tensor(new), ops.convert_to_tensor(old))
+
+
+def adam_moments(momentums, velocities, grads, rate_1, rate_2, keep=True):
+    """m = m + (g - m)(1 - beta_1), v = v + (g**2 - v)(1 - beta_2) for each
+    variable (`rate_i` = 1 - beta_i), written where `keep` holds.
+
+    In place under PyTorch as Keras's PyTorch Adam writes it: m = m beta_1 +
+    g (1 - beta_1) (equal to rounding)."""
+    if IN_PLACE and keep is True and _is_number(rate_1) and _is_number(rate_2):
+        with torch.no_grad():
+            m, v = _values(momentums), _values(velocities)
+            torch._foreach_mul_(m, 1 - rate_1)
+            torch._foreach_add_(m, grads, alpha=rate_1)
+            torch._foreach_mul_(v, 1 - rate_2)
+            torch._foreach_add_(v, torch._foreach_mul(grads, grads), alpha=rate_2)
+        return
+    if keep is False:
+        return
+    for m, v, g in zip(momentums, velocities, grads):
+        m_new, v_new = equations.adam_moments(m, v, g, rate_1, rate_2)
+        m.assign(_masked(keep, m_new, m))
+        v.assign(_masked(keep, v_new, v))
+
+
+def decayed_moments(momentums, velocities, grads, keep, take):
+    """InvariantAdam's fold: m = m keep_1 + g take_1, v = v keep_2 + g**2
+    take_2 for each variable (`equations.decayed_moments`). `keep` and
+    `take` are pairs of scalars; a keep of exactly 1 (inside a window,
+    PyTorch) skips the multiply."""
+    (keep_1, keep_2), (take_1, take_2) = keep, take
+    if IN_PLACE and all(_is_number(x) for x in (keep_1, keep_2, take_1, take_2)):
+        with torch.no_grad():
+            m, v = _values(momentums), _values(velocities)
+            if keep_1 != 1.0:
+                torch._foreach_mul_(m, keep_1)
+            if keep_2 != 1.0:
+                torch._foreach_mul_(v, keep_2)
+            torch._foreach_add_(m, grads, alpha=take_1)
+            torch._foreach_add_(v, torch._foreach_mul(grads, grads), alpha=take_2)
+        return
+    for m, v, g in zip(momentums, velocities, grads):
+        cast = lambda pair, dtype=m.dtype: tuple(ops.cast(x, dtype) for x in pair)
+        m_new, v_new = equations.decayed_moments(m, v, g, cast(keep), cast(take))
+        m.assign(m_new)
+        v.assign(v_new)
+
+
+def adam_steps(momentums, velocities, alphas, epsilon):
+    """[alpha m / (sqrt(v) + epsilon)] for each variable (`alphas`: one
+    scalar per variable, in its dtype)."""
+    if IN_PLACE:
+        with torch.no_grad():
+            m, v = _values(momentums), _values(velocities)
+            denominators = torch._foreach_add(torch._foreach_sqrt(v), epsilon)
+            if all(alpha is alphas[0] for alpha in alphas):  # one dtype
+                scaled = torch._foreach_mul(m, alphas[0])
+            else:
+                scaled = [x * alpha for x, alpha in zip(m, alphas)]
+            return torch._foreach_div(scaled, denominators)
+    return [
+        equations.adam_step(m, v, alpha, epsilon)
+        for m, v, alpha in zip(momentums, velocities, alphas)
+    ]
+
+
+def window_sums(totals, values, start):
+    """S = value at the window's start, else S + value, for each pair
+    (`equations.window_sum`)."""
+    if IN_PLACE and isinstance(start, bool):
+        with torch.no_grad():
+            targets = _values(totals)
+            if start:
+                torch._foreach_copy_(targets, values)
+            else:
+                torch._foreach_add_(targets, values)
+        return
+    for total, value in zip(totals, values):
+        total.assign(equations.window_sum(total, value, start))
+
+
+def subtract(variables, deltas, keep=True):
+    """theta = theta - delta for each variable, where `keep` holds."""
+    if IN_PLACE and keep is True:
+        with torch.no_grad():
+            torch._foreach_sub_(_values(variables), deltas)
+        return
+    if keep is False:
+        return
+    for variable, delta in zip(variables, deltas):
+        theta = ops.convert_to_tensor(variable)
+        variable.assign(_masked(keep, theta - ops.cast(delta, variable.dtype), theta))
