@@ -409,10 +409,21 @@ class GradientAccumulation(base.AccumulationOptimizer):
             )
         pending.extend([means, keep])  # stepped in `stateless_apply`
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables, weight=None):
+        """Keras's stateless step (JAX), with `apply`'s optional `weight`:
+        a jitted custom step passes each micro-batch's item or token count
+        here (a traced scalar is fine)."""
         if _backend.BACKEND != "jax":
+            if weight is not None:
+                raise ValueError(
+                    "`stateless_apply(weight=...)` is for JAX's jitted steps; under "
+                    f"{_backend.BACKEND} pass `apply(grads, variables, weight=n)`. "
+                    f"Received: weight={weight!r}"
+                )
             return super().stateless_apply(optimizer_variables, grads, trainable_variables)
-        return portable.stateless_inner_step(self, optimizer_variables, grads, trainable_variables)
+        return portable.stateless_inner_step(
+            self, optimizer_variables, grads, trainable_variables, weight
+        )
 
     def _finish_update(self, variables):
         pass  # the inner optimizer applies its EMA and constraints itself

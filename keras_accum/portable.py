@@ -15,8 +15,8 @@ returns, as Keras's `LossScaleOptimizer` does; under PyTorch in an eager
 `if`.
 
 What TensorFlow alone offers (`tf.distribute`, sparse `IndexedSlices`
-gradients, XLA's resource kernels, `weigh_micro_batches` under JAX, the
-batch-norm layer, `rematerialize`, the custom loop) is refused here in one
+gradients, XLA's resource kernels, the batch-norm layer, `rematerialize`,
+the custom loop) is refused here in one
 line naming the backend. `AdaptiveSteps` is `keras.ops` and runs here.
 """
 
@@ -177,7 +177,7 @@ def update_ema(optimizer, keep):
                 var.assign(masked(due, average, var))
 
 
-def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variables):
+def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variables, weight=None):
     """`GradientAccumulation.stateless_apply` under JAX: the fold in a
     `StatelessScope`, then the inner optimizer's stateless step in a
     `lax.cond` whose other branch hands the values back unchanged."""
@@ -194,7 +194,7 @@ def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variab
     optimizer.__dict__["_pending_inner"] = pending  # not a tracked attribute
     try:
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            optimizer.apply(grads)
+            optimizer.apply(grads, weight=weight)
     finally:
         del optimizer.__dict__["_pending_inner"]
     if pending:

@@ -19,6 +19,8 @@ nothing passes outside a variable (Keras's `LossScaleOptimizer` calls
 `apply` from threads of its own: a variable per replica is not per thread).
 """
 
+import weakref
+
 import keras
 import numpy as np
 from keras import ops
@@ -143,13 +145,6 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     Returns:
         `model`, its compiled loss wrapped.
     """
-    if _backend.BACKEND == "jax":
-        raise RuntimeError(
-            "`weigh_micro_batches` needs the TensorFlow or PyTorch backend: under "
-            "JAX the loss's count cannot reach the optimizer from inside the jitted "
-            "step; pass `apply(..., weight=n)` in a custom step instead. Keras runs "
-            "on jax here."
-        )
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a `keras.Model`. Received: model={model!r}")
     if not getattr(model, "compiled", False):
@@ -174,8 +169,10 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     compiled = _compat.compiled_loss(model)
     if isinstance(compiled, _WeighedLoss):
         compiled = compiled.compiled  # weighed twice: once is enough
-    weighed = _WeighedLoss(compiled, reduction, optimizer.fit_items())
+    items = optimizer.fit_items()
+    weighed = _WeighedLoss(compiled, reduction, items)
     _compat.set_compiled_loss(model, weighed)
+    items.weighed_model = weakref.ref(model)
     model.make_train_function(force=True)  # trace again with the weighed loss
     return model
 
@@ -191,11 +188,22 @@ class _WeighedLoss:
         self.compiled, self._reduction, self._items = compiled, reduction, items
 
     def __call__(self, y_true, y_pred, sample_weight=None, *args, **kwargs):
-        self._items.record(loss_denominator(self._reduction, y_pred, sample_weight))
-        return self.compiled(y_true, y_pred, sample_weight, *args, **kwargs)
+        items = loss_denominator(self._reduction, y_pred, sample_weight)
+        loss = self.compiled(y_true, y_pred, sample_weight, *args, **kwargs)
+        if _backend.BACKEND != "jax" or _differentiated(loss):
+            self._items.record(items)
+        return loss
 
     def __getattr__(self, name):
         return getattr(self.compiled, name)
+
+
+def _differentiated(loss):
+    """True when a JAX loss is being differentiated (`jax.value_and_grad` in
+    Keras's train step: an AD tracer, which carries a primal), False in an
+    evaluation step. Only a training step's count may reach the optimizer:
+    an evaluation's would outlive its trace."""
+    return hasattr(loss, "primal")
 
 
 class FitItems:
@@ -206,6 +214,17 @@ class FitItems:
     the optimizer's saved state."""
 
     def __init__(self):
+        # JAX: the count of the step being traced, a value of the same jitted
+        # train step (see `record`); no variable.
+        self.traced = None
+        # The model whose weighed loss records here, weakly: after a later
+        # `compile` without weighing its loss records nothing, and the
+        # optimizer takes nothing (an evaluation's count left here must not
+        # weigh a training step).
+        self.weighed_model = lambda: None
+        if _backend.BACKEND == "jax":
+            self.variable = None
+            return
         if not _backend.IS_TENSORFLOW:  # PyTorch: one device, eager
             self.variable = keras.Variable(UNSET, trainable=False, name="fit_items")
             return
@@ -219,12 +238,30 @@ class FitItems:
         )
 
     def record(self, items):
-        """Replica context: this replica's micro-batch weighs `items`."""
-        self.variable.assign(ops.cast(items, "float32"))
+        """Replica context: this replica's micro-batch weighs `items`.
+
+        Under JAX the loss runs inside the jitted train step, under
+        `jax.value_and_grad`, and the optimizer's `stateless_apply` after it
+        in the same trace: the count (a value of that trace, computed from
+        the batch's sample weights or mask, not from the weights being
+        differentiated) is handed over as it is and taken by `take` in the
+        same trace."""
+        items = ops.cast(items, "float32")
+        if self.variable is None:
+            self.traced = items
+            return
+        self.variable.assign(items)
 
     def take(self):
         """Replica context: the recorded count as `ReplicaItems` (`UNSET`
         if none was recorded this step), the variable reset to `UNSET`."""
+        model = self.weighed_model()
+        loss = None if model is None else _compat.compiled_loss(model)
+        if not (isinstance(loss, _WeighedLoss) and loss._items is self):
+            return ReplicaItems(UNSET)  # compiled again without weighing
+        if self.variable is None:  # JAX
+            items, self.traced = self.traced, None
+            return ReplicaItems(UNSET if items is None else items)
         if not _backend.IS_TENSORFLOW:
             items = ops.copy(ops.convert_to_tensor(self.variable))  # not a view: reset below
             self.variable.assign(UNSET)

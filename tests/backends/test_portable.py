@@ -360,7 +360,6 @@ print(sorted(n for n in sys.modules if n.split(".")[0] == "tensorflow"))
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
 
 
-@pytest.mark.skipif(BACKEND == "jax", reason="refused under JAX (below)")
 def test_weigh_micro_batches_makes_a_short_last_batch_exact():
     """24 examples in micro-batches of 10, 10 and 4, one window: weighed by
     their item counts the window is the mean over the 24 examples (one SGD
@@ -382,7 +381,6 @@ def test_weigh_micro_batches_makes_a_short_last_batch_exact():
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(unweighed, big)) > 1e-3
 
 
-@pytest.mark.skipif(BACKEND == "jax", reason="refused under JAX (below)")
 def test_weigh_micro_batches_counts_a_zero_weight_micro_batch_as_zero_items():
     """Items 8-15 of 32 weigh zero under a token-mean loss: the second
     micro-batch of 8 adds nothing to the big batch's mean, and nothing to
@@ -405,12 +403,91 @@ def test_weigh_micro_batches_counts_a_zero_weight_micro_batch_as_zero_items():
     assert_close(accumulated, big, rtol=1e-5, atol=1e-6)
 
 
+def test_weigh_micro_batches_makes_a_padded_token_mean_exact():
+    """Sequences padded with 0 (an `Embedding` with `mask_zero`, so Keras's
+    loss is the mean over unmasked tokens): micro-batches of 4 with unequal
+    token counts, weighed by their tokens, equal the big batch's token mean
+    (one SGD step on all 12 sequences), on every backend."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 7, size=12)
+    ids = np.zeros((12, 6), "int32")
+    for row, length in enumerate(lengths):
+        ids[row, :length] = rng.integers(1, 9, size=length)
+    targets = rng.integers(0, 9, size=(12, 6)).astype("int32")
+
+    def trained(optimizer, batch_size, weigh):
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential(
+            [
+                keras.Input((6,), dtype="int32"),
+                keras.layers.Embedding(9, 4, mask_zero=True),
+                keras.layers.Dense(9),
+            ]
+        )
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        net.compile(optimizer=optimizer, loss=loss)
+        if weigh:
+            ka.weigh_micro_batches(net)
+        net.fit(ids, targets, batch_size=batch_size, shuffle=False, verbose=0)
+        return net.get_weights()
+
+    big = trained(keras.optimizers.SGD(0.5), 12, False)
+    weighed = trained(ka.GradientAccumulation(keras.optimizers.SGD(0.5), steps=3), 4, True)
+    assert_close(weighed, big, rtol=1e-5, atol=1e-6)
+    unweighed = trained(ka.GradientAccumulation(keras.optimizers.SGD(0.5), steps=3), 4, False)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(unweighed, big)) > 1e-4
+
+
+def test_weighed_then_evaluated_then_recompiled_trains_as_never_weighed():
+    """An evaluation records its count and no training step takes it (under
+    JAX a value of a trace that has ended); a later compile without
+    weighing, keeping the optimizer, must train as if never weighed."""
+    x, y = data(24)
+
+    def run(weigh_first):
+        net = model()
+        optimizer = ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=2)
+        net.compile(optimizer=optimizer, loss="mse")
+        if weigh_first:
+            ka.weigh_micro_batches(net)
+        # 4 micro-batches: the first fit ends on a window's end.
+        net.fit(x, y, batch_size=6, shuffle=False, verbose=0, validation_data=(x, y))
+        net.compile(optimizer=optimizer, loss="mse")  # no weighing from here on
+        net.fit(x, y, batch_size=8, shuffle=False, verbose=0)  # traced again
+        return net.get_weights()
+
+    assert_close(run(True), run(False), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's jitted step")
-def test_weigh_micro_batches_refused_under_jax():
-    net = model()
-    net.compile(optimizer=ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=3), loss="mse")
-    with pytest.raises(RuntimeError, match="TensorFlow or PyTorch backend.*jax"):
-        ka.weigh_micro_batches(net)
+def test_jitted_custom_step_weighs_micro_batches_through_stateless_apply():
+    """A jitted JAX step hands each micro-batch's item count to
+    `stateless_apply(..., weight=n)`: micro-batches of 5, 3 and 2 items make
+    one SGD step on the mean over all 10 (a numpy reference)."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(10, 3)).astype("float32")
+    y = rng.normal(size=(10,)).astype("float32")
+    w0 = rng.normal(size=(3,)).astype("float32")
+    w = keras.Variable(w0)
+    optimizer = ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=3)
+    optimizer.build([w])
+
+    def mean_gradient(w, xs, ys):  # of the mean squared error over the items
+        return jax.grad(lambda w: jax.numpy.mean((xs @ w - ys) ** 2))(w)
+
+    @jax.jit
+    def step(optimizer_variables, trainable, xs, ys, items):
+        grads = [mean_gradient(trainable[0], xs, ys)]
+        return optimizer.stateless_apply(optimizer_variables, grads, trainable, weight=items)
+
+    state = [v.value for v in optimizer.variables]
+    trainable = [w.value]
+    for lo, hi in ((0, 5), (5, 8), (8, 10)):
+        trainable, state = step(state, trainable, x[lo:hi], y[lo:hi], float(hi - lo))
+    expected = w0 - 0.1 * (2 * x.T @ (x @ w0 - y) / 10)
+    np.testing.assert_allclose(np.asarray(trainable[0]), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow runs them")
