@@ -1,4 +1,4 @@
-"""Smoke test of scripts/jax_bench.py: --quick, one model, in a subprocess.
+"""Smoke test of scripts/backend_bench.py: --quick, one model, in a subprocess.
 
 JAX only (`.ci/backends` runs tests/backends under `KERAS_BACKEND=jax`);
 skipped under the other backends. Checks the output's shape, never a time
@@ -15,10 +15,10 @@ import keras
 import pytest
 
 pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "jax", reason="scripts/jax_bench.py runs under JAX only"
+    keras.backend.backend() != "jax", reason="scripts/backend_bench.py runs under JAX only"
 )
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "jax_bench.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "backend_bench.py"
 ARMS = {"keras_gas", "grad_accum", "update_adam", "invariant", "plain_adam"}
 
 
