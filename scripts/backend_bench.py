@@ -1,7 +1,7 @@
-"""Times and sizes the accumulating optimizers under JAX, in `model.fit`.
+"""Times and sizes the accumulating optimizers on any Keras backend, in `model.fit`.
 
-Five arms, each `model.compile(optimizer=...)` + `model.fit` as Keras
-jit-compiles it on JAX (same inner `Adam(1e-3)`, 4 micro-batches a window,
+Five arms, each `model.compile(optimizer=...)` + `model.fit` as Keras runs
+it on the backend (same inner `Adam(1e-3)`, 4 micro-batches a window,
 micro-batch size B):
 
     keras_gas    keras.optimizers.Adam(1e-3, gradient_accumulation_steps=4)
@@ -10,31 +10,61 @@ micro-batch size B):
     invariant    keras_accum.InvariantAdam(1e-3, steps=4)
     plain_adam   keras.optimizers.Adam(1e-3)  (reference, no accumulation)
 
-Full run (4 models; about 10 minutes on one core of a busy shared 2-core machine):
+The backend is Keras's own choice: set `KERAS_BACKEND` (jax, torch or
+tensorflow; unset, Keras reads ~/.keras/keras.json, else TensorFlow). Every
+model (mlp, cnn, transformer, lm) runs on all three. The device is the
+backend's default one: a GPU where the backend sees one, else the CPU.
 
-    taskset -c 0 python scripts/jax_bench.py --rounds=3 --output=runs/jax_bench
+    KERAS_BACKEND=torch python scripts/backend_bench.py --rounds=3 \\
+        --models=mlp,cnn --output=runs/backend_bench_torch
 
-Smoke test (tiny sizes, numbers meaningless):
+Smoke test (tiny sizes, numbers meaningless; about a minute a model on a
+busy 2-core machine, most of it the memory probes' imports: `--nomemory`
+skips them):
 
-    python scripts/jax_bench.py --quick --models=mlp --output=/tmp/jax_bench_quick
+    KERAS_BACKEND=jax python scripts/backend_bench.py --quick --models=mlp \\
+        --output=/tmp/backend_bench_quick
 
-Time: one untimed `fit` (compiles), then per round every arm runs one `fit`
-over the same fixed numpy data (`--micro_batches` micro-batches of B, no
-shuffling), the arms' order rotated by one each round. Reported: the median
-over rounds of each arm's ms per micro-batch, and the median (min-max) over
-rounds of its ratio to `keras_gas` (Keras's own accumulation) taken within the round (the pooled
-side-by-side method: a ratio compares arms timed moments apart).
+On a shared CPU machine pin it to a quiet core (`taskset -c 0 python ...`)
+and keep the other cores quiet: ratios taken moments apart stand a busy
+neighbour, absolute times don't.
 
-Memory: Keras's own jitted train step (the `jax.jit(train_step,
-donate_argnums=0)` inside `model.train_function`; re-jitted the same way
-where it cannot be found) lowered with the trainer's state tuple (trainable,
-non-trainable, optimizer and metrics variables) and one micro-batch, and
-compiled; XLA's `memory_analysis()` of it gives temp, argument, output and
-alias bytes. Beside them: the parameter bytes and the optimizer-state bytes
-(`optimizer.variables`), so that a temp size holding parameter-sized copies
-beyond the optimizer's own state shows. Where `memory_analysis()` gives
-nothing, each arm's peak RSS (`resource.getrusage`) in its own subprocess
-stands in, and the report says so.
+Time: one untimed `fit` per arm (compiles on JAX and TensorFlow), then per
+round every arm runs one `fit` over the same fixed numpy data
+(`--micro_batches` micro-batches of B, no shuffling), the arms' order
+rotated by one each round. A timer stops once the device is done: JAX
+blocks until the weights are ready, PyTorch calls `torch.cuda.synchronize()`
+where CUDA is available, TensorFlow `tf.test.experimental.sync_devices()`
+where it sees a GPU (on the CPU `fit` returns when the work is done).
+Reported per arm: the median over rounds of its ms per micro-batch, and the
+median (min-max) over rounds of its time over `keras_gas`'s (Keras's own
+accumulation) and over `plain_adam`'s, each taken within the round (the
+pooled side-by-side method: a ratio compares arms timed moments apart).
+
+Memory, every backend: the parameter bytes and the optimizer-state bytes
+(`optimizer.variables`), and, with `--memory` (the default), each arm in a
+fresh process of its own, compiled and fitted twice (the first `fit`
+compiles the step on JAX and TensorFlow and allocates the optimizer's
+state): the process's peak RSS (`resource.getrusage`: the backend's import
+and compiling included), the fit RSS growth (the RSS high-water mark over
+the second `fit` less the RSS before it, the high-water mark reset through
+/proc/self/clear_refs; Linux only, else n/a) and, on a GPU, the backend's
+own peak device bytes (`torch.cuda.max_memory_allocated` and TensorFlow's
+`get_memory_info` peak over the second `fit`, JAX's `peak_bytes_in_use`
+since the process started). On the CPU neither PyTorch nor TensorFlow
+accounts its allocations, so RSS stands alone there. JAX also keeps XLA's
+`memory_analysis()` of Keras's own jitted train step (the
+`jax.jit(train_step, donate_argnums=0)` inside `model.train_function`;
+re-jitted the same way where it cannot be found) lowered with the trainer's
+state tuple and one micro-batch: temp, argument, output and alias bytes, so
+that a temp size holding parameter-sized copies beyond the optimizer's own
+state shows. On a GPU the script sets XLA_PYTHON_CLIENT_PREALLOCATE=false
+and TF_FORCE_GPU_ALLOW_GROWTH=true (unless set) so that the probes find
+the device free beside the timing process.
+
+Output: the markdown table on stdout and, with `--output=DIR`, DIR/results.md
+and DIR/results.json (raw per-round numbers, the device's name and the
+library versions).
 """
 
 import json
@@ -48,10 +78,14 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# On a GPU the memory probes run beside this process: neither JAX nor
+# TensorFlow may take the whole device up front (each allocates as it needs).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 # Use the package of this checkout, whatever else is installed.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from absl import app, flags
 
@@ -64,14 +98,21 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("batch_size", None, "Micro-batch size B (default: the model's own).")
 flags.DEFINE_integer("steps", 4, "Micro-batches per accumulation window.")
 flags.DEFINE_bool("quick", False, "Tiny models and data: a smoke test, numbers meaningless.")
-flags.DEFINE_bool("memory", True, "Measure the compiled train step's memory.")
+flags.DEFINE_bool(
+    "memory",
+    True,
+    "Measure memory: a fresh process per arm (peak RSS, GPU peak) and, on JAX, "
+    "XLA's memory_analysis() of the compiled step.",
+)
 flags.DEFINE_string("output", None, "Directory for results.md and results.json.")
 flags.DEFINE_integer("seed", 0, "Seed of the data and the shared initial weights.")
-flags.DEFINE_string("rss_probe", None, "Internal: MODEL:ARM, print one arm's peak RSS.")
+flags.DEFINE_string("probe", None, "Internal: MODEL:ARM, print one arm's memory as JSON.")
 
 ARMS = ("keras_gas", "grad_accum", "update_adam", "invariant", "plain_adam")
-BASE_ARM = "keras_gas"
+BASE_ARMS = ("keras_gas", "plain_adam")  # the ratios' denominators
+BACKENDS = ("jax", "torch", "tensorflow")
 LR = 1e-3
+PROBE_PREFIX = "PROBE_JSON="
 
 
 def make_optimizer(arm, steps):
@@ -89,7 +130,7 @@ def make_optimizer(arm, steps):
         return ka.InvariantAdam(LR, steps=steps)
     if arm == "plain_adam":
         return keras.optimizers.Adam(LR)
-    raise ValueError(f"Unknown arm {arm!r}; expected one of {ARMS}.")
+    raise ValueError(f"`arm` must be one of {ARMS}. Received: arm={arm!r}")
 
 
 # -- models --------------------------------------------------------------------
@@ -111,7 +152,7 @@ def _sizes(name, quick):
     }
     table = tiny if quick else full
     if name not in table:
-        raise ValueError(f"Unknown model {name!r}; expected one of {sorted(table)}.")
+        raise ValueError(f"`models` must name models of {sorted(table)}. Received: {name!r}")
     return dict(table[name])
 
 
@@ -202,6 +243,152 @@ def make_data(name, s, count, seed):
     return x, y
 
 
+# -- the backend ---------------------------------------------------------------
+
+
+def _backend():
+    import keras
+
+    return keras.backend.backend()
+
+
+def _torch_cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _tf_gpus():
+    import tensorflow as tf
+
+    return tf.config.list_physical_devices("GPU")
+
+
+def wait_for_device(model):
+    """Returns once the device has finished the work queued so far."""
+    backend = _backend()
+    if backend == "jax":
+        import jax
+
+        jax.block_until_ready([v.value for v in model.trainable_variables])
+    elif backend == "torch":
+        if _torch_cuda():
+            import torch
+
+            torch.cuda.synchronize()
+    elif backend == "tensorflow":
+        if _tf_gpus():
+            import tensorflow as tf
+
+            tf.test.experimental.sync_devices()
+
+
+def _cpu_model():
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info():
+    """The device the backend runs on, and the machine's CPU."""
+    backend = _backend()
+    info = {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else None,
+    }
+    if backend == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        info.update(platform=device.platform, name=str(device.device_kind))
+        info["device_count"] = jax.device_count()
+    elif backend == "torch":
+        import torch
+
+        cuda = _torch_cuda()
+        info.update(
+            platform="gpu" if cuda else "cpu",
+            name=torch.cuda.get_device_name(0) if cuda else info["cpu_model"],
+            device_count=torch.cuda.device_count() if cuda else 1,
+            torch_threads=torch.get_num_threads(),
+        )
+    else:
+        import tensorflow as tf
+
+        gpus = _tf_gpus()
+        name = info["cpu_model"]
+        if gpus:
+            details = tf.config.experimental.get_device_details(gpus[0])
+            name = details.get("device_name", gpus[0].name)
+        info.update(platform="gpu" if gpus else "cpu", name=name, device_count=len(gpus) or 1)
+    if info["platform"] == "cpu":
+        info["name"] = info["cpu_model"]
+    return info
+
+
+def library_versions():
+    import keras
+    import numpy as np
+
+    import keras_accum
+
+    versions = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "keras": keras.__version__,
+        "keras_accum": getattr(keras_accum, "__version__", None),
+    }
+    backend = _backend()
+    if backend == "jax":
+        import jax
+        import jaxlib
+
+        versions.update(
+            jax=jax.__version__,
+            jaxlib=jaxlib.__version__,
+            jax_platform_version=str(jax.devices()[0].client.platform_version),
+        )
+    elif backend == "torch":
+        import torch
+
+        versions.update(torch=torch.__version__, torch_cuda_build=torch.version.cuda)
+    else:
+        import tensorflow as tf
+
+        versions["tensorflow"] = tf.__version__
+        build = tf.sysconfig.get_build_info()
+        cuda = build.get("cuda_version") if build.get("is_cuda_build") else None
+        versions["tensorflow_cuda_build"] = cuda
+    return versions
+
+
+def git_commit():
+    """The checkout's commit and whether its tree differs from it, or None."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"commit": head, "modified": bool(dirty)}
+
+
 # -- one arm -------------------------------------------------------------------
 
 
@@ -225,12 +412,10 @@ def compiled_model(name, s, arm, steps, weights):
 
 
 def run_fit(model, x, y, batch):
-    """One `fit` epoch, waited for; seconds."""
-    import jax
-
+    """One `fit` epoch, waited for on the device; seconds."""
     start = time.perf_counter()
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    jax.block_until_ready([v.value for v in model.trainable_variables])
+    wait_for_device(model)
     return time.perf_counter() - start
 
 
@@ -254,8 +439,8 @@ def _find_jitted(function, seen=None):
     return None
 
 
-def memory_analysis(model, x, y, batch):
-    """XLA's memory analysis of the compiled train step, or None."""
+def xla_memory_analysis(model, x, y, batch):
+    """JAX: XLA's memory analysis of the compiled train step."""
     import jax
 
     model.make_train_function()
@@ -273,7 +458,7 @@ def memory_analysis(model, x, y, batch):
     data = (x[:batch], y[:batch])
     try:
         stats = jitted.lower(state, data).compile().memory_analysis()
-    except Exception as e:  # memory_analysis is backend-dependent
+    except Exception as e:  # memory_analysis is platform-dependent
         return {"available": False, "error": f"{type(e).__name__}: {e}"}
     if stats is None:
         return {"available": False, "error": "memory_analysis() returned None"}
@@ -288,26 +473,127 @@ def memory_analysis(model, x, y, batch):
     }
 
 
-def peak_rss_subprocess(model_name, arm):
-    """Peak RSS (bytes) of one arm compiled and fitted in a fresh process."""
-    command = [sys.executable, __file__, f"--rss_probe={model_name}:{arm}"]
-    command += [f"--steps={FLAGS.steps}", f"--seed={FLAGS.seed}"]
+def _ru_maxrss_bytes():
+    scale = 1 if platform.system() == "Darwin" else 1024  # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _proc_status_bytes(key):
+    """VmRSS or VmHWM of this process from /proc/self/status (Linux), or None."""
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss():
+    """Sets the RSS high-water mark (VmHWM) to the current RSS; False where Linux can't."""
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return _proc_status_bytes("VmHWM") is not None
+
+
+def _reset_device_peak():
+    backend = _backend()
+    if backend == "torch" and _torch_cuda():
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+    elif backend == "tensorflow" and _tf_gpus():
+        import tensorflow as tf
+
+        tf.config.experimental.reset_memory_stats("GPU:0")
+
+
+def _device_peak():
+    """(peak device bytes, how measured), or (None, why not)."""
+    backend = _backend()
+    if backend == "torch":
+        if not _torch_cuda():
+            return None, "torch keeps no accounting of CPU allocations"
+        import torch
+
+        return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated"
+    if backend == "tensorflow":
+        if not _tf_gpus():
+            return None, "tensorflow accounts device memory on GPUs only"
+        import tensorflow as tf
+
+        peak = tf.config.experimental.get_memory_info("GPU:0")["peak"]
+        return int(peak), "tf.config.experimental.get_memory_info('GPU:0')['peak']"
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None, "jax memory_stats() has no peak_bytes_in_use on this platform"
+    return int(stats["peak_bytes_in_use"]), "jax memory_stats()['peak_bytes_in_use']"
+
+
+def _free_device_memory():
+    """Frees the timed models' memory before the probes run beside this process."""
+    import gc
+
+    gc.collect()
+    if _backend() == "torch" and _torch_cuda():
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def probe(value):
+    """Prints one arm's memory, compiled and fitted in this fresh process.
+
+    A first `fit` compiles the step (JAX, TensorFlow) and allocates the
+    optimizer's state; the second, measured alone, is the steady state.
+    """
+    name, _, arm = value.partition(":")
+    s, micro = _settings(name)
+    x, y = make_data(name, s, micro * s["batch"], FLAGS.seed)
+    rss_start = _proc_status_bytes("VmRSS")
+    model = compiled_model(name, s, arm, FLAGS.steps, None)
+    run_fit(model, x, y, s["batch"])
+    resettable = _reset_peak_rss()
+    rss_before = _proc_status_bytes("VmRSS")
+    _reset_device_peak()
+    run_fit(model, x, y, s["batch"])
+    device_peak, source = _device_peak()
+    fit_peak = _proc_status_bytes("VmHWM") if resettable else None
+    report = {
+        "process_peak_rss_bytes": _ru_maxrss_bytes(),
+        "rss_at_start_bytes": rss_start,
+        "rss_before_fit_bytes": rss_before,
+        "fit_peak_rss_bytes": fit_peak,
+        "fit_rss_growth_bytes": None if fit_peak is None else fit_peak - rss_before,
+        "device_peak_bytes": device_peak,
+        "device_peak_source": source,
+    }
+    print(PROBE_PREFIX + json.dumps(report))
+
+
+def probe_subprocess(model_name, arm):
+    """`probe` of one arm in a fresh process on the same backend."""
+    command = [sys.executable, str(pathlib.Path(__file__).resolve())]
+    command += [f"--probe={model_name}:{arm}", f"--steps={FLAGS.steps}", f"--seed={FLAGS.seed}"]
     if FLAGS.quick:
         command.append("--quick")
     if FLAGS.batch_size:
         command.append(f"--batch_size={FLAGS.batch_size}")
     if FLAGS.micro_batches:
         command.append(f"--micro_batches={FLAGS.micro_batches}")
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    env = dict(os.environ, KERAS_BACKEND=_backend())
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in done.stdout.splitlines():
-        if line.startswith("PEAK_RSS_BYTES="):
-            return int(line.split("=", 1)[1])
-    raise RuntimeError(f"RSS probe printed no PEAK_RSS_BYTES:\n{done.stderr[-2000:]}")
-
-
-def _ru_maxrss_bytes():
-    scale = 1 if platform.system() == "Darwin" else 1024  # Linux reports KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+        if line.startswith(PROBE_PREFIX):
+            return json.loads(line[len(PROBE_PREFIX) :])
+    raise RuntimeError(
+        f"Memory probe {model_name}:{arm} exited {done.returncode} and printed no "
+        f"{PROBE_PREFIX}:\n{done.stderr[-2000:]}"
+    )
 
 
 # -- the benchmark -------------------------------------------------------------
@@ -321,6 +607,15 @@ def _settings(name):
     return s, micro
 
 
+def _spread(values):
+    return {
+        "rounds": list(values),
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
 def bench_model(name, rounds, steps, seed, memory):
     import keras
 
@@ -329,12 +624,12 @@ def bench_model(name, rounds, steps, seed, memory):
     x, y = make_data(name, s, micro * batch, seed)
     keras.utils.set_random_seed(seed)
     weights = build_model(name, s).get_weights()
+    jax = _backend() == "jax"
 
     models, rows = {}, {}
     for arm in ARMS:
         model = compiled_model(name, s, arm, steps, weights)
-        compile_s = run_fit(model, x, y, batch)  # compiles the train step
-        trainable = model.trainable_variables
+        first_fit_s = run_fit(model, x, y, batch)  # compiles the step on JAX and TF
         row = {
             "model": name,
             "arm": arm,
@@ -342,18 +637,19 @@ def bench_model(name, rounds, steps, seed, memory):
             "micro_batches": micro,
             "params": int(model.count_params()),
             "param_bytes": _nbytes(model.variables),
-            "trainable_bytes": _nbytes(trainable),
+            "trainable_bytes": _nbytes(model.trainable_variables),
             "optimizer_state_bytes": _nbytes(model.optimizer.variables),
-            "first_fit_s": compile_s,
+            "jit_compile": bool(getattr(model, "jit_compile", False)),
+            "first_fit_s": first_fit_s,
         }
-        if memory:
-            row["memory"] = memory_analysis(model, x, y, batch)
+        if memory and jax:
+            row["xla_memory"] = xla_memory_analysis(model, x, y, batch)
         models[arm] = model
         rows[arm] = row
-        print(f"[{name}] {arm}: warm-up fit {compile_s:.2f}s", file=sys.stderr)
+        print(f"[{name}] {arm}: warm-up fit {first_fit_s:.2f}s", file=sys.stderr)
 
     times = {arm: [] for arm in ARMS}
-    ratios = {arm: [] for arm in ARMS}
+    ratios = {base: {arm: [] for arm in ARMS} for base in BASE_ARMS}
     for r in range(rounds):
         order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
         this_round = {}
@@ -361,27 +657,32 @@ def bench_model(name, rounds, steps, seed, memory):
             this_round[arm] = run_fit(models[arm], x, y, batch) * 1000.0 / micro
         for arm in ARMS:
             times[arm].append(this_round[arm])
-            ratios[arm].append(this_round[arm] / this_round[BASE_ARM])
+            for base in BASE_ARMS:
+                ratios[base][arm].append(this_round[arm] / this_round[base])
         print(
-            f"[{name}] round {r + 1}/{rounds}: "
+            f"[{name}] round {r + 1}/{rounds} ({', '.join(order)}): "
             + ", ".join(f"{a} {this_round[a]:.2f}ms" for a in ARMS),
             file=sys.stderr,
         )
+    del models, model
+    _free_device_memory()
 
-    if memory and not all(rows[a]["memory"]["available"] for a in ARMS):
+    if memory:
         for arm in ARMS:
-            rows[arm]["peak_rss_bytes"] = peak_rss_subprocess(name, arm)
+            rows[arm]["probe"] = probe_subprocess(name, arm)
+            print(f"[{name}] {arm}: memory probe done", file=sys.stderr)
 
     for arm in ARMS:
         rows[arm].update(
+            rounds=len(times[arm]),
             ms_per_micro_batch=times[arm],
             ms_median=statistics.median(times[arm]),
-            ratio_rounds=ratios[arm],
-            ratio_median=statistics.median(ratios[arm]),
-            ratio_min=min(ratios[arm]),
-            ratio_max=max(ratios[arm]),
+            **{f"ratio_to_{base}": _spread(ratios[base][arm]) for base in BASE_ARMS},
         )
     return [rows[a] for a in ARMS]
+
+
+# -- the report ----------------------------------------------------------------
 
 
 def _mib(value):
@@ -393,103 +694,127 @@ def _times(value, unit):
     return "n/a" if value is None or not unit else f"{value / unit:.2f}x"
 
 
+def _ratio(spread):
+    return f"{spread['median']:.3f} ({spread['min']:.3f}-{spread['max']:.3f})"
+
+
 def markdown(result):
-    """The report: one table row per model and arm."""
+    """The report: a legend and one table row per model and arm."""
+    rows = result["rows"]
+    device = result["device"]
+    versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v)
     lines = [
-        "# keras_accum on JAX: model.fit, jit-compiled by Keras",
+        f"# keras_accum on {result['backend']}: model.fit",
         "",
         f"Command: `{result['command']}`",
         "",
-        f"Backend {result['backend']} (jax {result['jax']}, keras {result['keras']}), "
-        f"device {result['device']}; {result['rounds']} rounds, steps={result['steps']}. "
-        f"Ratio: this arm's time over `{BASE_ARM}`'s within each round, median (min-max). "
-        "Bytes in MiB; memory from XLA `memory_analysis()` of the compiled train step "
-        "(temp = scratch beyond arguments and outputs; alias = outputs sharing donated "
-        "argument buffers; temp / params = temp bytes over trainable-parameter bytes).",
+        f"Backend {result['backend']} on {device['platform']} ({device['name']}); {versions}. "
+        f"{result['rounds']} rounds, steps={result['steps']}. "
+        "ms: median over rounds of ms per micro-batch. Ratios: this arm's time over "
+        "keras_gas's and over plain_adam's within each round, median (min-max) over "
+        "rounds. Bytes in MiB; params (MiB) counts every model variable; optimizer "
+        "state is `optimizer.variables`.",
         "",
     ]
-    header = (
-        "| model | arm | ms / micro-batch | ratio to keras_gas | temp MiB | argument MiB "
-        "| output MiB | alias MiB | optimizer state MiB | params (MiB) | temp / params |"
-    )
-    rss = any("peak_rss_bytes" in row for row in result["rows"])
-    if rss:
-        header += " peak RSS MiB |"
-    lines += [header, header_rule(header)]
-    for row in result["rows"]:
-        mem = row.get("memory") or {}
+    xla = any("xla_memory" in row for row in rows)
+    probe = any("probe" in row for row in rows)
+    gpu_peak = any((row.get("probe") or {}).get("device_peak_bytes") for row in rows)
+    if xla:
+        lines[-2] += (
+            " temp: XLA memory_analysis() scratch of the compiled train step beyond its "
+            "arguments and outputs; temp / params: over the trainable bytes."
+        )
+    if probe:
+        lines[-2] += (
+            " Process peak RSS: the arm compiled and fitted twice in a fresh process "
+            "(import and compile included); fit RSS growth: the RSS high-water mark over "
+            "the second fit less the RSS before it."
+        )
+    if gpu_peak:
+        lines[-2] += f" GPU peak: {rows[0]['probe']['device_peak_source']}."
+    header = [
+        "model",
+        "arm",
+        "ms / micro-batch",
+        "ratio to keras_gas",
+        "ratio to plain_adam",
+        "rounds",
+        "params (MiB)",
+        "optimizer state MiB",
+    ]
+    if xla:
+        header += ["temp MiB", "temp / params"]
+    if probe:
+        header += ["process peak RSS MiB", "fit RSS growth MiB"]
+    if gpu_peak:
+        header += ["GPU peak MiB"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
         cells = [
             row["model"],
             row["arm"],
             f"{row['ms_median']:.2f}",
-            f"{row['ratio_median']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})",
-            _mib(mem.get("temp_bytes")),
-            _mib(mem.get("argument_bytes")),
-            _mib(mem.get("output_bytes")),
-            _mib(mem.get("alias_bytes")),
-            _mib(row["optimizer_state_bytes"]),
+            _ratio(row["ratio_to_keras_gas"]),
+            _ratio(row["ratio_to_plain_adam"]),
+            str(row["rounds"]),
             f"{row['params']:,} ({_mib(row['param_bytes'])})",
-            _times(mem.get("temp_bytes"), row["trainable_bytes"]),
+            _mib(row["optimizer_state_bytes"]),
         ]
-        if rss:
-            cells.append(_mib(row.get("peak_rss_bytes")))
+        if xla:
+            mem = row.get("xla_memory") or {}
+            cells += [
+                _mib(mem.get("temp_bytes")),
+                _times(mem.get("temp_bytes"), row["trainable_bytes"]),
+            ]
+        if probe:
+            p = row.get("probe") or {}
+            cells += [_mib(p.get("process_peak_rss_bytes")), _mib(p.get("fit_rss_growth_bytes"))]
+        if gpu_peak:
+            cells.append(_mib((row.get("probe") or {}).get("device_peak_bytes")))
         lines.append("| " + " | ".join(cells) + " |")
     unavailable = [
-        f"{r['model']}/{r['arm']}: {r['memory']['error']}"
-        for r in result["rows"]
-        if r.get("memory") and not r["memory"]["available"]
+        f"{r['model']}/{r['arm']}: {r['xla_memory']['error']}"
+        for r in rows
+        if r.get("xla_memory") and not r["xla_memory"]["available"]
     ]
     if unavailable:
-        lines += [
-            "",
-            "memory_analysis() unavailable (peak RSS per arm in a subprocess instead): "
-            + "; ".join(unavailable),
-        ]
+        lines += ["", "memory_analysis() unavailable: " + "; ".join(unavailable)]
     return "\n".join(lines) + "\n"
-
-
-def header_rule(header):
-    return "|" + "---|" * (header.count("|") - 1)
-
-
-def rss_probe(value):
-    name, _, arm = value.partition(":")
-    s, micro = _settings(name)
-    x, y = make_data(name, s, micro * s["batch"], FLAGS.seed)
-    model = compiled_model(name, s, arm, FLAGS.steps, None)
-    run_fit(model, x, y, s["batch"])
-    print(f"PEAK_RSS_BYTES={_ru_maxrss_bytes()}")
 
 
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
-    import jax
     import keras
 
-    if keras.backend.backend() != "jax":
-        sys.exit(f"error: needs KERAS_BACKEND=jax; Keras runs {keras.backend.backend()!r}.")
-    if FLAGS.rss_probe:
-        rss_probe(FLAGS.rss_probe)
+    backend = keras.backend.backend()
+    if backend not in BACKENDS:
+        sys.exit(
+            f"error: KERAS_BACKEND must be one of {BACKENDS} (a backend that trains). "
+            f"Received: KERAS_BACKEND={backend!r}"
+        )
+    if FLAGS.probe:
+        probe(FLAGS.probe)
         return
     for name in FLAGS.models:
-        _sizes(name, FLAGS.quick)  # unknown names fail before anything runs
+        try:
+            _sizes(name, FLAGS.quick)  # unknown names fail before anything runs
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     if FLAGS.rounds < 1:
-        sys.exit("error: --rounds must be at least 1.")
+        sys.exit(f"error: `rounds` must be an integer >= 1. Received: rounds={FLAGS.rounds}")
 
     started = time.time()
     rows = []
     for name in FLAGS.models:
         rows += bench_model(name, FLAGS.rounds, FLAGS.steps, FLAGS.seed, FLAGS.memory)
     result = {
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "backend": keras.backend.backend(),
-        "jax": jax.__version__,
-        "keras": keras.__version__,
-        "device": str(jax.devices()[0]),
-        "cpu_affinity": sorted(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else None,
+        "command": f"KERAS_BACKEND={backend} python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "backend": backend,
+        "device": device_info(),
+        "versions": library_versions(),
+        "git": git_commit(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "rounds": FLAGS.rounds,
         "steps": FLAGS.steps,
         "quick": FLAGS.quick,
