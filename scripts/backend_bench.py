@@ -48,19 +48,20 @@ compiles the step on JAX and TensorFlow and allocates the optimizer's
 state): the process's peak RSS (`resource.getrusage`: the backend's import
 and compiling included), the fit RSS growth (the RSS high-water mark over
 the second `fit` less the RSS before it, the high-water mark reset through
-/proc/self/clear_refs; Linux only, else n/a) and, on a GPU, the backend's
-own peak device bytes (`torch.cuda.max_memory_allocated` and TensorFlow's
-`get_memory_info` peak over the second `fit`, JAX's `peak_bytes_in_use`
-since the process started). On the CPU neither PyTorch nor TensorFlow
-accounts its allocations, so RSS stands alone there. JAX also keeps XLA's
-`memory_analysis()` of Keras's own jitted train step (the
+/proc/self/clear_refs; Linux only, else n/a; Linux's RSS counters lag by up
+to 64 pages a thread, so differences of a MiB or less are noise) and, on a
+GPU, the backend's own peak device bytes (`torch.cuda.max_memory_allocated`
+and TensorFlow's `get_memory_info` peak over the second `fit`, JAX's
+`peak_bytes_in_use` since the process started). On the CPU neither PyTorch
+nor TensorFlow accounts its allocations, so RSS stands alone there. JAX
+also keeps XLA's `memory_analysis()` of Keras's own jitted train step (the
 `jax.jit(train_step, donate_argnums=0)` inside `model.train_function`;
 re-jitted the same way where it cannot be found) lowered with the trainer's
 state tuple and one micro-batch: temp, argument, output and alias bytes, so
 that a temp size holding parameter-sized copies beyond the optimizer's own
-state shows. On a GPU the script sets XLA_PYTHON_CLIENT_PREALLOCATE=false
-and TF_FORCE_GPU_ALLOW_GROWTH=true (unless set) so that the probes find
-the device free beside the timing process.
+state shows. The script sets XLA_PYTHON_CLIENT_PREALLOCATE=false and
+TF_FORCE_GPU_ALLOW_GROWTH=true (unless set) so that on a GPU the probes
+find the device free beside the timing process.
 
 Output: the markdown table on stdout and, with `--output=DIR`, DIR/results.md
 and DIR/results.json (raw per-round numbers, the device's name and the
@@ -558,7 +559,8 @@ def probe(value):
     model = compiled_model(name, s, arm, FLAGS.steps, None)
     run_fit(model, x, y, s["batch"])
     resettable = _reset_peak_rss()
-    rss_before = _proc_status_bytes("VmRSS")
+    # The high-water mark just reset: the same counter as the peak read after.
+    rss_before = _proc_status_bytes("VmHWM" if resettable else "VmRSS")
     _reset_device_peak()
     run_fit(model, x, y, s["batch"])
     device_peak, source = _device_peak()
@@ -686,7 +688,10 @@ def bench_model(name, rounds, steps, seed, memory):
 
 
 def _mib(value):
-    return "n/a" if value is None else f"{value / 2**20:.3g}"
+    if value is None:
+        return "n/a"
+    mib = value / 2**20
+    return f"{mib:.3g}" if abs(mib) < 1000 else f"{mib:,.0f}"
 
 
 def _times(value, unit):
