@@ -72,7 +72,7 @@ NONFINITE_POLICIES = tuple(nonfinite.POLICIES)
 _LIBRARIES = tuple(
     os.path.dirname(sys.modules[name].__file__) + os.sep
     for name in ("keras", "tensorflow", "jax", "torch", __package__)
-    if name in sys.modules
+    if getattr(sys.modules.get(name), "__file__", None)
 )
 
 
