@@ -56,7 +56,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_accum import _backend, _gradients, _tensors
+from keras_accum import _backend, _gradients, _tensors, sharpness
 from keras_accum._backend import tf
 
 
@@ -118,8 +118,6 @@ def adam_preconditioned_noise_norm(optimizer: Any):
     et al.'s B_simple of the SGD the optimizer runs. Before the first update
     (v = 0, no bias correction yet) the weights are uniform (1 / epsilon),
     which gives the plain B_simple."""
-    from keras_accum import sharpness  # late: only this estimate needs it
-
     epsilon = float(getattr(optimizer, "inner_optimizer", optimizer).epsilon)
 
     def norm(grads):
