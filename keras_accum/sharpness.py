@@ -29,6 +29,7 @@ from typing import Any
 
 from keras import ops
 
+from keras_accum import _compat
 from keras_accum._backend import tf
 from keras_accum.scaling import scale_hyperparameters
 from keras_accum.validation import check_float
@@ -136,7 +137,7 @@ def adam_preconditioner(optimizer: Any, epsilon: float | None = None) -> list[tf
         the `scale` of `preconditioned_sharpness`.
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    velocities = getattr(optimizer, "_velocities", None)
+    velocities = _compat.adam_velocities(optimizer)
     if not velocities or not hasattr(optimizer, "beta_2"):
         raise ValueError(
             "adam_preconditioner needs a built Adam, InvariantAdam or a "
