@@ -1,6 +1,6 @@
 """The library's structure, read from its source with `ast`: no import
-circle among its modules, and no private Keras or TensorFlow name outside
-`keras_accum/_compat.py`."""
+circle among its modules, no private Keras or TensorFlow name outside
+`keras_accum/_compat.py`, and every module on the docs' two maps."""
 
 import ast
 import pathlib
@@ -128,6 +128,24 @@ def test_no_import_circle_in_the_library():
     graph = import_graph(library_files())
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + describe(cycle, graph)
+
+
+def listed_modules(page):
+    """The file names a docs page's map lists: the first column of each
+    line (`_tensors.py, nonfinite.py   what they do` lists two)."""
+    names = set()
+    for line in (ROOT / page).read_text().split("\n"):
+        first = line.strip().split("  ")[0]
+        names |= {name.strip() for name in first.split(",") if name.strip().endswith(".py")}
+    return names
+
+
+@pytest.mark.parametrize("page", ["docs/ARCHITECTURE.md", "docs/guides/layout.md"])
+def test_every_library_module_is_listed_in_the_maps(page):
+    listed = listed_modules(page)
+    files = {path.name for path in library_files().values()}
+    assert "base.py" in listed and "multiworker.py" in listed  # the parser reads the map
+    assert files <= listed, f"{page} does not list: {sorted(files - listed)}"
 
 
 # -- private Keras and TensorFlow names: in keras_accum/_compat.py only ----------
