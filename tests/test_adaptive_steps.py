@@ -249,6 +249,11 @@ def test_lives_in_adaptive_steps_only():
     assert ka.AdaptiveSteps is adaptive_steps.AdaptiveSteps
     assert ka.AdaptiveSteps.__module__ == "keras_accum.adaptive_steps"
     assert not hasattr(schedules, "AdaptiveSteps")
+    # A config written while it lived in schedules still loads: Keras finds
+    # the class by its registered name, not by the module recorded.
+    config = keras.saving.serialize_keras_object(ka.AdaptiveSteps(1, 8, 32))
+    loaded = keras.saving.deserialize_keras_object({**config, "module": "keras_accum.schedules"})
+    assert type(loaded) is ka.AdaptiveSteps and loaded.get_config() == config["config"]
 
 
 def test_a_config_saved_by_0_2_0_loads_its_own_rule_and_says_so():
