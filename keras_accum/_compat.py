@@ -6,7 +6,20 @@ subclass contract (`build`, `update_step`-style hooks, `add_variable`,
 it was checked on (the sources read); `.ci/floor` also runs the library's
 optimizer, fit, saving and batch-norm tests through them on Keras 3.8.0.
 When Keras changes one of these names, this is the file to change, and
-`tests/test_compat.py` the test that says so.
+`tests/test_compat.py` the test that says so; `tests/test_structure.py`
+fails on a private Keras or TensorFlow name used anywhere else in the
+library (the harness, `keras_accum.experiments`, aside).
+
+Two reliances on Keras internals cannot live here, as they are not calls:
+
+* `GradientAccumulation._model_variables_moving_average` overrides the
+  attribute of that name that Keras's optimizer reads for `use_ema`
+  (it returns the wrapped optimizer's averages, `ema_averages`).
+* `GradientAccumulation.__dir__` hides `inner_optimizer` from Keras's
+  saving, which walks what `dir` lists: the wrapped optimizer's state is
+  saved once, in this optimizer's `variables`, and restored when it is
+  built. A Keras that finds trackables some other way would save and
+  load it twice.
 """
 
 import contextlib
@@ -90,6 +103,22 @@ def routed_assigns(optimizer, writer):
 
 # The optimizer-subclass contract that Keras's own optimizers use (adam.py,
 # loss_scale_optimizer.py) but does not document as public.
+
+
+def check_variables_are_known(optimizer, variables):
+    """Raises Keras's "Unknown variable" `ValueError` when one of
+    `variables` is not among those `optimizer` was built with, the check
+    Keras's own `apply` makes. Checked on Keras 3.8, 3.10 and 3.15."""
+    optimizer._check_variables_are_known(variables)
+
+
+def adam_velocities(optimizer):
+    """The second moments v of a built `keras.optimizers.Adam`, one per
+    trainable variable, or None where `optimizer` has none
+    (`sharpness.adam_preconditioner`). `InvariantAdam` and
+    `UpdateAccumulationAdam` keep theirs under Keras's name, so that this
+    reads them too. Checked on Keras 3.8, 3.10 and 3.15."""
+    return getattr(optimizer, "_velocities", None)
 
 
 def variable_index(optimizer, variable):

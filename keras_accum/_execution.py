@@ -140,8 +140,8 @@ class KeptWrites:
 
     def __init__(self, keep, variables):
         self.keep = keep
-        self._variables = list(variables)
-        self._before = {_key(v): tf.identity(tf.convert_to_tensor(v)) for v in self._variables}
+        self._targets = list(variables)
+        self._before = {_key(v): tf.identity(tf.convert_to_tensor(v)) for v in self._targets}
         self._selected = set()
 
     def assign(self, assign, variable, value, mode="assign"):
@@ -162,7 +162,7 @@ class KeptWrites:
         been written otherwise after it). An untouched variable becomes
         where(keep, x, x) = x, which XLA drops."""
         again = {_key(v) for v in reselect}
-        for variable in self._variables:
+        for variable in self._targets:
             key = _key(variable)
             if key in self._selected and key not in again:
                 continue

@@ -3,7 +3,7 @@
 A batch-size schedule (`keras_accum.schedules`) that grows the window with
 a bias-corrected moving average of B_simple estimates, decides only once the
 average has settled, optionally after a fixed warmup, and never shrinks.
-Also importable as `keras_accum.schedules.AdaptiveSteps` (its first home).
+Import it as `keras_accum.AdaptiveSteps` (or from this module).
 """
 
 from __future__ import annotations

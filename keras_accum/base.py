@@ -252,7 +252,7 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        self._check_variables_are_known(trainable_variables)
+        _compat.check_variables_are_known(self, trainable_variables)
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")

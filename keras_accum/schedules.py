@@ -243,15 +243,3 @@ def serialize_steps(steps: int | StepsSchedule) -> Any:
     if isinstance(steps, StepsSchedule):
         return saving.serialize_keras_object(steps)
     return steps
-
-
-def __getattr__(name: str) -> Any:
-    """`keras_accum.schedules.AdaptiveSteps`, its first home, still works.
-    It lives in `keras_accum.adaptive_steps`, which builds on the classes
-    above: looked up on use, so that neither module imports the other while
-    it loads."""
-    if name == "AdaptiveSteps":
-        from keras_accum.adaptive_steps import AdaptiveSteps
-
-        return AdaptiveSteps
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,9 +29,9 @@ from typing import Any
 
 from keras import ops
 
+from keras_accum import _compat
 from keras_accum._backend import tf
 from keras_accum.scaling import scale_hyperparameters
-from keras_accum.update_accumulation_adam import UpdateAccumulationAdam
 from keras_accum.validation import check_float
 
 
@@ -137,7 +137,7 @@ def adam_preconditioner(optimizer: Any, epsilon: float | None = None) -> list[tf
         the `scale` of `preconditioned_sharpness`.
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    velocities = getattr(optimizer, "_velocities", None)
+    velocities = _compat.adam_velocities(optimizer)
     if not velocities or not hasattr(optimizer, "beta_2"):
         raise ValueError(
             "adam_preconditioner needs a built Adam, InvariantAdam or a "
@@ -147,8 +147,10 @@ def adam_preconditioner(optimizer: Any, epsilon: float | None = None) -> list[tf
     if getattr(optimizer, "scaling_rule", None) is not None and products:
         correction = 1 - ops.cast(products[1], "float32")
     else:
-        moves = "micro_step" if isinstance(optimizer, UpdateAccumulationAdam) else "iterations"
-        t = ops.cast(getattr(optimizer, moves), "float32")
+        # t: the counter v moves with (`UpdateAccumulationAdam` names its
+        # own; Keras's Adam and `InvariantAdam` move v once per update).
+        counter = getattr(optimizer, "_moments_counter", "iterations")
+        t = ops.cast(getattr(optimizer, counter), "float32")
         correction = 1 - ops.power(float(optimizer.beta_2), t)
     epsilon = optimizer.epsilon if epsilon is None else epsilon
     # keras.ops: this function (and so the "adam_preconditioned" noise

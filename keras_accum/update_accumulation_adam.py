@@ -76,6 +76,10 @@ class UpdateAccumulationAdam(AdamFamily):
         name: optimizer name.
     """
 
+    # The counter whose value is t in v's bias correction 1 - beta_2**t: v
+    # moves every micro-batch (`sharpness.adam_preconditioner` reads it).
+    _moments_counter = "micro_step"
+
     def __init__(self, *args: Any, name: str = "update_accumulation_adam", **kwargs: Any):
         super().__init__(*args, name=name, **kwargs)
 

@@ -131,7 +131,7 @@ def test_renorm_statistics_are_keras_at_the_big_batch():
     ],
 )
 def test_two_replicas_are_one_device_at_the_global_window(name, synchronized):
-    from keras_accum._probes import count_reductions
+    from keras_accum.experiments.probes import count_reductions
 
     strategy = mirrored_strategy()
     with strategy.scope():

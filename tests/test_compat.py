@@ -78,3 +78,32 @@ def test_no_method_is_left_on_the_inner_optimizer_after_an_xla_step():
     for _ in range(3):
         step()
     assert not set(vars(inner)) & {"assign", "assign_add", "assign_sub"}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ka.UpdateAccumulationAdam(0.1, steps=2),
+        lambda: ka.InvariantAdam(0.1, steps=2),
+        lambda: ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=2),
+    ],
+)
+def test_apply_refuses_a_variable_the_optimizer_was_not_built_with(make):
+    # check_variables_are_known: Keras's check, as its own apply makes it.
+    optimizer = make()
+    known, stranger = (keras.Variable(np.ones(3, "float32")) for _ in range(2))
+    optimizer.apply([tf.ones(3)], [known])
+    with pytest.raises(ValueError, match="Unknown variable"):
+        optimizer.apply([tf.ones(3)], [stranger])
+
+
+def test_adam_velocities_is_keras_adams_v():
+    adam = keras.optimizers.Adam(0.1, beta_2=0.9)
+    variable = keras.Variable(np.ones(3, "float32"))
+    grads = [np.array([1.0, -2.0, 3.0], "float32"), np.array([0.5, 0.0, -1.0], "float32")]
+    for g in grads:
+        adam.apply([tf.constant(g)], [variable])
+    expected = 0.9 * 0.1 * grads[0] ** 2 + 0.1 * grads[1] ** 2
+    [v] = _compat.adam_velocities(adam)
+    np.testing.assert_allclose(v.numpy(), expected, rtol=1e-6)
+    assert _compat.adam_velocities(keras.optimizers.SGD(0.1)) is None

@@ -79,7 +79,7 @@ def test_mirrored_fit_equals_one_device(name):
 def test_mirrored_invariant_adam_reduces_its_moments_in_one_call_per_window():
     # m and v are replica-local sums: the window's end all-reduces every one
     # of them in one batched call (2 x parameters), nothing every micro-step.
-    from keras_accum._probes import count_reductions
+    from keras_accum.experiments.probes import count_reductions
 
     strategy = mirrored()
     with strategy.scope():

@@ -86,3 +86,21 @@ def test_stability_threshold_refuses_bad_arguments(name, value):
     arguments = {"learning_rate": 0.1, "beta_1": 0.9, name: value}
     with pytest.raises(ValueError, match=f"Received: {name}={value!r}"):
         sharpness.stability_threshold(**arguments)
+
+
+def test_adam_preconditioner_of_update_accumulation_counts_micro_steps():
+    # Its v moves every micro-batch: t in v_hat = v / (1 - beta_2**t) is the
+    # micro-step (6), not the update count (1).
+    rng = np.random.default_rng(3)
+    opt = ka.UpdateAccumulationAdam(0.01, steps=4, epsilon=1e-3)
+    var = keras.Variable(rng.normal(size=(3, 2)).astype("float32"))
+    opt.build([var])
+    v = np.zeros((3, 2))
+    for _ in range(6):
+        grad = rng.normal(size=(3, 2)).astype("float32")
+        opt.apply([tf.constant(grad)], [var])
+        v = 0.999 * v + 0.001 * grad.astype("float64") ** 2
+    assert (int(opt.micro_step), int(opt.iterations)) == (6, 1)
+    [scale] = sharpness.adam_preconditioner(opt)
+    expected = 1 / np.sqrt(np.sqrt(v / (1 - 0.999**6)) + 1e-3)
+    np.testing.assert_allclose(scale.numpy(), expected, rtol=1e-5)

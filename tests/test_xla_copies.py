@@ -5,7 +5,7 @@ them on every micro-step that does not end a window; under XLA the window
 end is a select instead (`keras_accum._execution.keep_where`). This reads the
 optimised HLO of one XLA-compiled step of a small MLP and counts the
 elements that `copy` instructions move, as the benchmark does
-(`keras_accum._probes.count_copies`).
+(`keras_accum.experiments.probes.count_copies`).
 """
 
 import keras
@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import keras_accum as ka
-from keras_accum._probes import count_copies
+from keras_accum.experiments.probes import count_copies
 
 STEPS = 4
 DEFAULTS = {

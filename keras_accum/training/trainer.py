@@ -153,7 +153,7 @@ class Trainer:
                 self.model = remat_lib.rematerialize(model, remat)
         self.steps = steps_per_update(optimizer)
         self._loss_fn = resolve_loss(loss_fn)
-        self._metrics = resolve_metrics(metrics)
+        self._metric_fns = resolve_metrics(metrics)
         with self.strategy.scope():
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
@@ -168,7 +168,7 @@ class Trainer:
             # Replica-local running sums of the window's logs (loss, weight,
             # metrics): updated without communication, reduced once.
             self._sums = tf.Variable(
-                tf.zeros([2 + len(self._metrics)]),
+                tf.zeros([2 + len(self._metric_fns)]),
                 trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM,
@@ -217,7 +217,7 @@ class Trainer:
     @property
     def metric_names(self) -> list[str]:
         """Names of the metrics logged beside the loss, in order."""
-        return [name for name, _ in self._metrics]
+        return [name for name, _ in self._metric_fns]
 
     @property
     def position(self):
@@ -248,7 +248,7 @@ class Trainer:
             "loss": tf.math.divide_no_nan(sums[0], sums[1]),
             **{
                 name: tf.math.divide_no_nan(sums[2 + i], sums[1])
-                for i, (name, _) in enumerate(self._metrics)
+                for i, (name, _) in enumerate(self._metric_fns)
             },
             "items": items,
             "updates": tf.cast(opt.iterations, tf.float32),
@@ -316,7 +316,7 @@ class Trainer:
     def _sums_of(self, y, y_pred, sample_weight):
         """[sum w loss, sum w, sum w metric, ...] over one replica's items."""
         per_item, weights = weighted(self._loss_fn, y, y_pred, sample_weight)
-        metrics = [weighted(fn, y, y_pred, sample_weight)[0] for _, fn in self._metrics]
+        metrics = [weighted(fn, y, y_pred, sample_weight)[0] for _, fn in self._metric_fns]
         return tf.stack(
             [tf.reduce_sum(v * weights) for v in [per_item, tf.ones_like(per_item)] + metrics]
         )
@@ -344,13 +344,13 @@ class Trainer:
         """Sample-weighted mean loss and metrics over `dataset` (global
         batches, as for training). Runs on every worker."""
         iterator = iter(self.strategy.experimental_distribute_dataset(data_sharded(dataset)))
-        total = np.zeros(2 + len(self._metrics))
+        total = np.zeros(2 + len(self._metric_fns))
         while True:
             try:
                 total += self._eval_step(iterator).numpy()
             except tf.errors.OutOfRangeError:
                 break
-        names = ["loss"] + [name for name, _ in self._metrics]
+        names = ["loss"] + [name for name, _ in self._metric_fns]
         means = np.concatenate([total[:1], total[2:]]) / (total[1] or np.nan)
         return dict(zip(names, map(float, means)))
 

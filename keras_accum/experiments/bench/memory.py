@@ -9,12 +9,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_accum._probes import count_copies
 from keras_accum.experiments import child
 from keras_accum.experiments.bench.config import SETTINGS, run_device
 from keras_accum.experiments.bench.contenders import CONTENDERS
 from keras_accum.experiments.bench.runner import FitRunner
 from keras_accum.experiments.bench.workloads import WORKLOADS
+from keras_accum.experiments.probes import count_copies
 
 
 def memory_mb():

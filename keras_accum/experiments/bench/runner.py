@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import keras_accum as ka
 from keras_accum import schedules
-from keras_accum._probes import count_reductions
+from keras_accum.experiments.probes import count_reductions
 
 
 def tf_functions(fn, depth=0, seen=None):

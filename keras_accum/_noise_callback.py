@@ -1,0 +1,219 @@
+"""`NoiseScaleCallback`: B_simple during `model.fit`, from a probe batch
+(`keras_accum.diagnostics`, which documents it and re-exports it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_accum import _backend, _gradients, _tensors
+from keras_accum._backend import tf
+from keras_accum._noise_scale import GradientNoiseScale, squared_norm
+
+
+def _numpy(value):
+    """A variable's or a tensor's value as numpy."""
+    return ops.convert_to_numpy(ops.convert_to_tensor(value))
+
+
+def _map(fn, struct):
+    """`map_structure` that leaves `None` (no sample weight) alone."""
+    if _backend.IS_TENSORFLOW:
+        return tf.nest.map_structure(lambda t: None if t is None else fn(t), struct)
+    return keras.tree.map_structure(lambda t: None if t is None else fn(t), struct)
+
+
+def _flatten(struct):
+    if _backend.IS_TENSORFLOW:
+        return tf.nest.flatten(struct)
+    return keras.tree.flatten(struct)
+
+
+class NoiseScaleCallback(keras.callbacks.Callback):
+    """Estimates B_simple during `model.fit` from a probe batch.
+
+    Every `every_n_batches` training batches (counted across epochs) it takes
+    kappa * b probe examples, splits them into kappa micro-batches of b,
+    computes each micro-batch's gradient of the compiled loss
+    (`model.compute_loss`, including regularisation losses) and feeds a
+    `GradientNoiseScale`. At each epoch end it writes the current
+    `noise_scale` (B_simple), `trace_sigma` and `grad_sq_norm` (``|G|^2``) into
+    the epoch logs, so they reach `History`; put this callback before a
+    `CSVLogger` in the list so the logger sees them. They are nan until the
+    first probe has run.
+
+    Cost: each probe is kappa extra forward/backward passes on b examples
+    (one training step's worth of compute when kappa * b equals the training
+    batch), one micro-batch at a time: under TensorFlow in a
+    `tf.while_loop`, traced once; under JAX a jitted `jax.grad` of the
+    model's stateless loss, compiled once; under PyTorch eager autograd.
+    Memory added: one parameter-sized buffer for the running sum of the
+    micro-batch gradients plus a few scalars (and, transiently, one copy of
+    the non-trainable and metric variables, see below: large if a frozen
+    backbone's weights are among them). No parameter moves.
+
+    Side effects are undone: the forward passes run with `training=True`
+    (dropout on, batch norm in batch mode, as in `train_step`), and the
+    non-trainable variables (batch norm statistics, RNG seeds) and metric
+    variables are restored after each probe (under JAX never written: the
+    probe is stateless).
+
+    Under `tf.distribute.MirroredStrategy` the probe runs, like every
+    callback of `fit`, outside the strategy scope, in cross-replica context:
+    whole micro-batches on one device, the same numbers as without the
+    strategy. Calling `probe_fn` inside the scope is not supported.
+
+    Args:
+        data: `(x, y)` or `(x, y, sample_weight)` arrays with at least
+            kappa * b examples; each probe draws kappa * b of them at random
+            without replacement. Or a `tf.data.Dataset` of such batches
+            (each with at least kappa * b examples; the first kappa * b are
+            used), repeated as needed (TensorFlow only).
+        micro_batch_size: b.
+        kappa: micro-batches per probe (>= 2); B = kappa * b.
+        every_n_batches: probe period, in `on_train_batch_end` calls (one per
+            `steps_per_execution` steps).
+        ema: decay of the tracker's EMAs. seed: for the array draws.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        micro_batch_size: int,
+        kappa: int,
+        every_n_batches: int = 100,
+        ema: float = 0.95,
+        seed: int | None = None,
+    ):
+        super().__init__()
+        for name, value, low in (
+            ("micro_batch_size", micro_batch_size, 1),
+            ("kappa", kappa, 2),
+            ("every_n_batches", every_n_batches, 1),
+        ):
+            if not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value}")
+        self.micro_batch_size, self.kappa = int(micro_batch_size), int(kappa)
+        self.every_n_batches = int(every_n_batches)
+        self.tracker = GradientNoiseScale(ema)
+        self._rng = np.random.default_rng(seed)
+        n = self.kappa * self.micro_batch_size
+        if isinstance(data, tf.data.Dataset):
+            self._arrays, self._iterator = None, iter(data.repeat())
+        else:
+            self._arrays = _map(np.asarray, tuple(data))
+            size = len(_flatten(self._arrays)[0])
+            if size < n:
+                raise ValueError(
+                    "`data` must hold at least kappa * micro_batch_size = "
+                    f"{n} examples. Received: {size} examples"
+                )
+        self._seen = 0
+        if _backend.IS_TENSORFLOW:
+            # Explicit tf.while_loop below: no autograph needed.
+            self.probe_fn = tf.function(self._probe, autograph=False)
+        else:
+            self.probe_fn = self._probe_portable
+            self._gradients = None
+
+    def _next_probe(self):
+        n = self.kappa * self.micro_batch_size
+        if self._arrays is not None:
+            idx = self._rng.choice(len(_flatten(self._arrays)[0]), n, replace=False)
+            data = _map(lambda a: a[idx], self._arrays)
+        else:
+            data = next(self._iterator)
+            size = tf.nest.flatten(data)[0].shape[0]
+            if size < n:
+                raise ValueError(
+                    "`data` batches must hold at least kappa * "
+                    f"micro_batch_size = {n} examples. Received: {size}"
+                )
+            data = _map(lambda a: a[:n], data)
+        if not _backend.IS_TENSORFLOW:
+            return data  # numpy arrays, of one fixed shape: JAX compiles once
+        # Tensors of one fixed shape: the tf.function traces once.
+        return _map(tf.convert_to_tensor, data)
+
+    def _probe(self, data):
+        model, kappa, b = self.model, self.kappa, self.micro_batch_size
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        # [kappa * b, ...] -> [kappa, b, ...]: micro-batch i is t[i].
+        x, y, sw = _map(lambda t: tf.reshape(t, [kappa, b] + t.shape[1:].as_list()), (x, y, sw))
+        weights = model.trainable_variables
+        state = model.non_trainable_variables + model.metrics_variables
+        saved = [tf.identity(v) for v in state]
+
+        def body(i, small, acc):
+            xi, yi, swi = _map(lambda t: t[i], (x, y, sw))
+            grads = _gradients.tape_gradients(model, xi, yi, swi)
+            grads = [
+                _tensors.zeros_like_state(w) if g is None else tf.convert_to_tensor(g)
+                for g, w in zip(grads, weights)
+            ]
+            return (i + 1, small + squared_norm(grads), [a + g for a, g in zip(acc, grads)])
+
+        _, small, acc = tf.while_loop(
+            lambda i, *_: i < kappa,
+            body,
+            # Not `tf.zeros_like`: a constant the traced probe would hold for good.
+            (tf.constant(0), tf.constant(0.0), [_tensors.zeros_like_state(w) for w in weights]),
+        )
+        for v, s in zip(state, saved):
+            v.assign(s)
+        # |g_b|^2 = mean_j |g_j|^2 ; |g_B|^2 = |sum_j g_j / kappa|^2
+        return self.tracker.update(small / kappa, squared_norm(acc) / kappa**2, b, kappa * b)
+
+    def _probe_portable(self, data):
+        """`_probe` under JAX and PyTorch: the micro-batches' gradients from
+        `keras_accum._gradients`, summed as they come."""
+        model, kappa, b = self.model, self.kappa, self.micro_batch_size
+        if self._gradients is None or self._gradients.model is not model:
+            self._gradients = _gradients.MicroBatchGradients(model)
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        batches = (_map(lambda t: t[i * b : (i + 1) * b], (x, y, sw)) for i in range(kappa))
+        small, acc = 0.0, None
+        for grads in self._gradients.gradients(batches):
+            small = small + squared_norm(grads)
+            acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+        # |g_b|^2 = mean_j |g_j|^2 ; |g_B|^2 = |sum_j g_j / kappa|^2
+        return self.tracker.update(small / kappa, squared_norm(acc) / kappa**2, b, kappa * b)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._seen += 1
+        if self._seen % self.every_n_batches == 0:
+            self.probe_fn(self._next_probe())
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs.update({k: float(v) for k, v in self.tracker.result().items()})
+
+    def get_state(self):
+        """The estimator's state as JSON-serialisable values: batches seen,
+        the tracker's variables and the position in `data`, so that a
+        resumed run (`set_state`) probes the same batches and reports the
+        same numbers as an uninterrupted one."""
+        tracker = self.tracker
+        return {
+            "seen": self._seen,
+            "updates": int(_numpy(tracker.updates)),
+            "trace_sigma_acc": float(_numpy(tracker.trace_sigma_acc)),
+            "g2_acc": float(_numpy(tracker.g2_acc)),
+            "rng": self._rng.bit_generator.state,
+        }
+
+    def set_state(self, state):
+        """Restores `get_state()` into a fresh callback; its dataset
+        iterator is advanced past the probes already drawn (a new iterator
+        of a reshuffling dataset could see another order)."""
+        self._seen = int(state["seen"])
+        self.tracker.updates.assign(state["updates"])
+        self.tracker.trace_sigma_acc.assign(state["trace_sigma_acc"])
+        self.tracker.g2_acc.assign(state["g2_acc"])
+        self._rng.bit_generator.state = state["rng"]
+        if self._arrays is None:
+            for _ in range(self._seen // self.every_n_batches):
+                next(self._iterator)

@@ -1,0 +1,285 @@
+"""The gradient noise scale's estimator (`keras_accum.diagnostics`, which
+documents it and re-exports its public names): the squared norms gradients
+are measured in, the one-window estimates of ``|G|^2`` and tr(Sigma), and
+the running B_simple of `GradientNoiseScale`."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_accum import _backend, sharpness
+from keras_accum._backend import tf
+
+
+def _add_n(terms):
+    """The sum of a list of tensors (`tf.add_n` under TensorFlow)."""
+    if _backend.IS_TENSORFLOW:
+        return tf.add_n(terms)
+    return functools.reduce(operator.add, terms)
+
+
+def _value(t):
+    """A variable's value, a tensor or a Python number as a tensor."""
+    return ops.convert_to_tensor(t)
+
+
+def _sq_norm_one(g, weight=None):
+    if g is None:
+        return ops.zeros((), "float32")
+    if isinstance(g, tf.IndexedSlices):  # never, except under TensorFlow
+        # Rows with repeated indices add up in the dense gradient: sum them
+        # per row before squaring, |a + b|^2 != |a|^2 + |b|^2.
+        unique, pos = tf.unique(g.indices)
+        values = tf.math.unsorted_segment_sum(g.values, pos, tf.shape(unique)[0])
+        if weight is not None:
+            weight = tf.gather(weight, unique)
+        g = values
+    square = ops.square(ops.cast(g, "float32"))
+    if weight is not None:
+        square = square * ops.cast(weight, "float32")
+    return ops.sum(square)
+
+
+def squared_norm(grads: Sequence[Any], weights: Sequence[Any] | None = None) -> Any:
+    """Sum of squared entries of a list of gradients, as float32.
+
+    `None` entries count as zero; `tf.IndexedSlices` count as their dense
+    equivalent (duplicate indices summed). `weights` (optional, one tensor
+    per gradient, the variable's shape) gives sum w g^2, the squared norm in
+    the metric diag(w).
+    """
+    weights = [None] * len(grads) if weights is None else list(weights)
+    terms = [_sq_norm_one(g, w) for g, w in zip(grads, weights)]
+    return _add_n(terms or [ops.zeros((), "float32")])
+
+
+def euclidean_noise_norm(optimizer: Any = None):
+    """The plain B_simple's squared norm, sum g^2 (`optimizer` unused)."""
+    del optimizer
+    return squared_norm
+
+
+def adam_preconditioned_noise_norm(optimizer: Any):
+    """sum g^2 / (sqrt(v_hat) + epsilon) with the second moments of the
+    built Adam-like `optimizer` (read at each call): the squared norm in
+    coordinates theta' = P^(1/2) theta, P = diag(sqrt(v_hat) + epsilon),
+    where Adam's step with P frozen is plain SGD (the change of variables of
+    the preconditioned sharpness lambda_max(P^-1 H), ALGORITHMS.md section
+    7). B_simple in that norm is tr(P^-1 Sigma) / (G^T P^-1 G), McCandlish
+    et al.'s B_simple of the SGD the optimizer runs. Before the first update
+    (v = 0, no bias correction yet) the weights are uniform (1 / epsilon),
+    which gives the plain B_simple."""
+    epsilon = float(getattr(optimizer, "inner_optimizer", optimizer).epsilon)
+
+    def norm(grads):
+        inverse_roots = sharpness.adam_preconditioner(optimizer)  # 1 / sqrt(sqrt(v_hat) + eps)
+        weights = [ops.where(ops.isfinite(p), ops.square(p), 1.0 / epsilon) for p in inverse_roots]
+        return squared_norm(grads, weights)
+
+    return norm
+
+
+# name -> factory(optimizer) -> squared_norm(grads): the norm a noise-scale
+# estimate measures gradients in (`GradientNoiseScale(squared_norm=...)`,
+# `AdaptiveSteps(noise_estimate=...)`).
+NOISE_ESTIMATES = {
+    "b_simple": euclidean_noise_norm,
+    "adam_preconditioned": adam_preconditioned_noise_norm,
+}
+
+
+def noise_estimate_norm(noise_estimate: Any, optimizer: Any = None):
+    """The squared-norm function of `noise_estimate` (a `NOISE_ESTIMATES`
+    name, or a factory `fn(optimizer) -> fn(grads) -> scalar`) for
+    `optimizer`."""
+    if isinstance(noise_estimate, str):
+        if noise_estimate not in NOISE_ESTIMATES:
+            raise ValueError(
+                f"`noise_estimate` must be one of {sorted(NOISE_ESTIMATES)} or a callable. "
+                f"Received: noise_estimate={noise_estimate!r}"
+            )
+        noise_estimate = NOISE_ESTIMATES[noise_estimate]
+    if not callable(noise_estimate):
+        raise ValueError(
+            f"`noise_estimate` must be one of {sorted(NOISE_ESTIMATES)} or a callable. "
+            f"Received: noise_estimate={noise_estimate!r}"
+        )
+    return noise_estimate(optimizer)
+
+
+def _static(value):
+    """`value`'s number when known now (a Python number, a constant, an
+    eager tensor), else None (traced)."""
+    if isinstance(value, (int, float, np.number)):
+        return value
+    if _backend.IS_TENSORFLOW:
+        return tf.get_static_value(value)
+    if not _backend.is_concrete(value):
+        return None
+    return np.asarray(ops.convert_to_numpy(value))
+
+
+def _check_sizes(small_batch, big_batch):
+    b, B = _static(small_batch), _static(big_batch)
+    if b is not None and not b > 0:
+        raise ValueError(f"`small_batch` must be > 0. Received: small_batch={b}")
+    if b is not None and B is not None and not B > b:
+        raise ValueError(
+            f"`big_batch` must be > `small_batch`. Received: small_batch={b}, big_batch={B}"
+        )
+
+
+def noise_scale_estimates(
+    small_sq_norm: Any, big_sq_norm: Any, small_batch: float, big_batch: float
+) -> tuple[Any, Any]:
+    """Unbiased one-window estimates ``(|G|^2, tr(Sigma))``.
+
+    Args:
+        small_sq_norm: ``|g_b|^2``, mean squared norm of the micro-batch gradients.
+        big_sq_norm: ``|g_B|^2``, squared norm of the window's mean gradient.
+        small_batch: b. big_batch: B. Checked `B > b > 0` when their values
+            are known at trace time (Python numbers, constants, eager).
+    """
+    _check_sizes(small_batch, big_batch)
+    s = ops.cast(small_sq_norm, "float32")
+    g = ops.cast(big_sq_norm, "float32")
+    b = ops.cast(small_batch, "float32")
+    B = ops.cast(big_batch, "float32")
+    # |G|^2 = (B |g_B|^2 - b |g_b|^2) / (B - b)
+    g2 = (B * g - b * s) / (B - b)
+    # tr(Sigma) = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+    trace = (s - g) / (1.0 / b - 1.0 / B)
+    return g2, trace
+
+
+def _mean_grad(column):
+    """Mean of one variable's gradients over the micro-batches."""
+    column = [g for g in column if g is not None]
+    if not column:
+        return None
+    if all(isinstance(g, tf.IndexedSlices) for g in column):
+        # Concatenation is the sparse sum; squared_norm merges the duplicates.
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in column], 0) / len(column),
+            tf.concat([g.indices for g in column], 0),
+            column[0].dense_shape,
+        )
+    return _add_n([ops.convert_to_tensor(g) for g in column]) / len(column)
+
+
+# A `tf.Module` under TensorFlow (`tf.train.Checkpoint` finds its variables),
+# a plain object elsewhere.
+_Module = tf.Module if _backend.IS_TENSORFLOW else object
+
+
+class GradientNoiseScale(_Module):
+    """Running B_simple from bias-corrected EMAs of ``|G|^2`` and tr(Sigma).
+
+    State (float32 variables; under TensorFlow `tf.Variable`s of this
+    `tf.Module`, checkpointable with `tf.train.Checkpoint`, elsewhere
+    `keras.Variable`s; `updates` is int64, int32 under JAX without x64):
+    `updates` (windows seen), `trace_sigma_acc` and `g2_acc` (raw EMAs,
+    acc = ema * acc + (1 - ema) * x, starting from 0). Reported values are
+    bias-corrected, acc / (1 - ema**updates), as in Adam, so the first
+    windows are not pulled towards 0. Before any update all results are nan.
+
+    `b_simple` = trace_sigma / g2 (the bias corrections cancel). When the
+    smoothed ``|G|^2`` is <= 0 the signal is not resolved above the noise and
+    `b_simple` is +inf: never a clipped or negative number. `trace_sigma`
+    and `g2` give the smoothed values as they are, signs included.
+
+    Args:
+        ema: decay in [0, 1); 0 keeps only the last window.
+        squared_norm: the norm gradients are measured in, a function of a
+            gradient list (default: the Euclidean `squared_norm`; e.g.
+            `adam_preconditioned_noise_norm(optimizer)`).
+    """
+
+    def __init__(self, ema: float = 0.95, name: str | None = None, squared_norm=None):
+        if _backend.IS_TENSORFLOW:
+            super().__init__(name=name)
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"`ema` must be in [0, 1). Received: ema={ema}")
+        self.ema = float(ema)
+        self._squared_norm = squared_norm or globals()["squared_norm"]
+        if _backend.IS_TENSORFLOW:
+            with self.name_scope:
+                self.updates = tf.Variable(0, dtype=tf.int64, name="updates", trainable=False)
+                self.trace_sigma_acc = tf.Variable(0.0, name="trace_sigma_acc", trainable=False)
+                self.g2_acc = tf.Variable(0.0, name="g2_acc", trainable=False)
+        else:
+            make = functools.partial(keras.Variable, trainable=False)
+            self.updates = make(0, dtype="int64", name="updates")
+            self.trace_sigma_acc = make(0.0, dtype="float32", name="trace_sigma_acc")
+            self.g2_acc = make(0.0, dtype="float32", name="g2_acc")
+
+    def update(
+        self,
+        micro_grads_sq_norm_mean: Any,
+        window_grad_sq_norm: Any,
+        micro_batch_size: float,
+        window_size: float,
+    ) -> Any:
+        """Feeds one window: ``|g_b|^2``, ``|g_B|^2``, b, B. Returns `b_simple`."""
+        g2, trace = noise_scale_estimates(
+            micro_grads_sq_norm_mean, window_grad_sq_norm, micro_batch_size, window_size
+        )
+        # acc = ema * acc + (1 - ema) * x
+        self.trace_sigma_acc.assign_add((1.0 - self.ema) * (trace - _value(self.trace_sigma_acc)))
+        self.g2_acc.assign_add((1.0 - self.ema) * (g2 - _value(self.g2_acc)))
+        self.updates.assign_add(1)
+        return self.b_simple
+
+    def update_from_micro_grads(
+        self, micro_grads: Sequence[Sequence[Any]], micro_batch_size: float
+    ) -> Any:
+        """Feeds one window from explicit gradients.
+
+        Args:
+            micro_grads: list of kappa >= 2 gradient lists (one per
+                micro-batch, same variables in the same order), each the mean
+                gradient over `micro_batch_size` examples.
+        """
+        kappa = len(micro_grads)
+        if kappa < 2:
+            raise ValueError(
+                f"`micro_grads` needs at least 2 micro-batches. Received: len(micro_grads)={kappa}"
+            )
+        norm = self._squared_norm
+        small = _add_n([norm(g) for g in micro_grads]) / kappa
+        big = norm([_mean_grad(col) for col in zip(*micro_grads)])
+        return self.update(small, big, micro_batch_size, kappa * micro_batch_size)
+
+    def _correction(self):
+        # 1 - ema**t; 0 before any update, which makes every result nan.
+        return 1.0 - ops.power(self.ema, ops.cast(self.updates, "float32"))
+
+    @property
+    def trace_sigma(self) -> Any:
+        return _value(self.trace_sigma_acc) / self._correction()
+
+    @property
+    def g2(self) -> Any:
+        return _value(self.g2_acc) / self._correction()
+
+    @property
+    def b_simple(self) -> Any:
+        trace, g2 = _value(self.trace_sigma_acc), _value(self.g2_acc)
+        ratio = ops.divide_no_nan(trace, g2)
+        ratio = ops.where(g2 > 0, ratio, float("inf"))
+        return ops.where(_value(self.updates) > 0, ratio, float("nan"))
+
+    def result(self) -> dict[str, Any]:
+        """Dict with `noise_scale`, `trace_sigma`, `grad_sq_norm` tensors."""
+        return {
+            "noise_scale": self.b_simple,
+            "trace_sigma": self.trace_sigma,
+            "grad_sq_norm": self.g2,
+        }

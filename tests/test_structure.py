@@ -1,0 +1,386 @@
+"""The library's structure, read from its source with `ast`: no import
+circle among its modules, no private Keras or TensorFlow name outside
+`keras_accum/_compat.py`, and every module on the docs' two maps."""
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "keras_accum"
+# The harness, not the library: it may import anything of the library.
+HARNESS = PACKAGE / "experiments"
+
+
+def library_files():
+    """{module name: path} of every module of the library."""
+    files = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if HARNESS in path.parents:
+            continue
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def import_graph(files):
+    """{module: {imported library module: first line}}, from every import
+    statement of each module: at module level, in a function, under any
+    `if` (a late or a type-checking import closes a circle all the same).
+    `from keras_accum import x` is an edge to `keras_accum.x` when that is a
+    module, else to the package `keras_accum`."""
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
+                    for alias in node.names
+                ]
+            for target in targets:
+                # `import keras_accum.a.b` runs keras_accum.a.b: the longest
+                # library module that the dotted name starts with.
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.setdefault(target, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph):
+    """One import circle as a list of modules (first == last), or None."""
+    state = {}  # module -> "open" while on the path, "done" after
+
+    def visit(module, path):
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                return path[path.index(target) :] + [target]
+            if target not in state:
+                found = visit(target, path)
+                if found:
+                    return found
+        path.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module, [])
+            if found:
+                return found
+    return None
+
+
+def describe(cycle, graph):
+    """'a:12 -> b:30 -> a': each module with the line of its import of the next."""
+    return " -> ".join(f"{a}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_cycle_finder_finds_a_circle_and_only_a_circle():
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert describe(["a", "b", "c", "a"], graph) == "a:1 -> b:2 -> c:3 -> a"
+    assert find_cycle({"a": {"b": 1, "c": 1}, "b": {"c": 2}, "c": {}}) is None
+
+
+def test_the_graph_has_the_known_edges():
+    graph = import_graph(library_files())
+    # Known edges, one of each kind, so that an empty graph cannot pass.
+    assert "keras_accum.window" in graph["keras_accum.base"]
+    assert "keras_accum._floor" in graph["keras_accum"]
+    assert "keras_accum.training.checkpoints" in graph["keras_accum.training.trainer"]
+    assert not any(m.startswith("keras_accum.experiments") for m in graph)
+
+
+def test_function_level_imports_are_edges(tmp_path):
+    package = tmp_path / "keras_accum"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from keras_accum import b\n")
+    (package / "b.py").write_text("def late():\n    from keras_accum.a import f\n")
+    files = {
+        "keras_accum": package / "__init__.py",
+        "keras_accum.a": package / "a.py",
+        "keras_accum.b": package / "b.py",
+    }
+    graph = import_graph(files)
+    assert graph["keras_accum.b"] == {"keras_accum.a": 2}
+    assert find_cycle(graph) == ["keras_accum.a", "keras_accum.b", "keras_accum.a"]
+
+
+def test_no_import_circle_in_the_library():
+    graph = import_graph(library_files())
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + describe(cycle, graph)
+
+
+def listed_modules(page):
+    """The file names a docs page's map lists: the first column of each
+    line (`_tensors.py, nonfinite.py   what they do` lists two)."""
+    names = set()
+    for line in (ROOT / page).read_text().split("\n"):
+        first = line.strip().split("  ")[0]
+        names |= {name.strip() for name in first.split(",") if name.strip().endswith(".py")}
+    return names
+
+
+@pytest.mark.parametrize("page", ["docs/ARCHITECTURE.md", "docs/guides/layout.md"])
+def test_every_library_module_is_listed_in_the_maps(page):
+    listed = listed_modules(page)
+    files = {path.name for path in library_files().values()}
+    assert "base.py" in listed and "multiworker.py" in listed  # the parser reads the map
+    assert files <= listed, f"{page} does not list: {sorted(files - listed)}"
+
+
+# -- private Keras and TensorFlow names: in keras_accum/_compat.py only ----------
+
+COMPAT = PACKAGE / "_compat.py"
+
+# Private attributes the library may use although they are not its own
+# (defined nowhere in keras_accum) or share a Keras/TF private name. Each
+# says why; an entry nothing uses any more fails `test_no_stale_exception`.
+ALLOWED = {
+    # Overrides Keras's attribute of that name (its optimizer reads it for
+    # `use_ema`): GradientAccumulation answers with the wrapped optimizer's
+    # averages. A definition, not a call: it cannot move into _compat.
+    "_model_variables_moving_average": "GradientAccumulation's override of Keras's",
+    # InvariantAdam's and UpdateAccumulationAdam's moments, under the names
+    # of keras.optimizers.Adam's (not a base of theirs), so that one reader,
+    # _compat.adam_velocities, serves all three; read on `self` only.
+    "_momentums": "our Adams' slots, named as Keras Adam's",
+    "_velocities": "our Adams' slots, named as Keras Adam's",
+}
+# Private names of other libraries, by the name they are read from.
+ALLOWED_ON = {
+    # PyTorch's multi-tensor kernels, what torch.optim runs with
+    # `foreach=True` (keras_accum.kernels); not Keras's or TensorFlow's.
+    ("torch", "_foreach_"): "PyTorch's foreach kernels",
+    # The standard library's frame access (a warning's stacklevel, base.py).
+    ("sys", "_getframe"): "Python's",
+}
+_ATTRIBUTE_CALLS = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _private(name):
+    return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+
+def _string(node):
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _dict_key(node):
+    """'_x' for `obj.__dict__["_x"]` and `obj.__dict__.get("_x")`, else None."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute):
+        if node.value.attr == "__dict__":
+            return _string(node.slice)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+        owner = node.func.value
+        if isinstance(owner, ast.Attribute) and owner.attr == "__dict__":
+            return _string(node.args[0])
+    return None
+
+
+def private_names(sources):
+    """(defined, members, used, imports) of the private names in `sources`
+    ({path: source}).
+
+    `defined`: the names the code gives to its own things (functions,
+    classes, assignments to names or attributes of `self`/`cls`, `setattr`
+    and `__dict__` keys). `members` {name: [(path, line)]}: those of them
+    that are attributes (in a class body, on `self`/`cls`, through
+    `setattr` or `__dict__`). `used` {name: [(path, line, receiver)]}: every
+    private attribute read, written or looked up (`obj._x`,
+    `getattr(obj, "_x")`, `obj.__dict__["_x"]`), with the name it is read
+    from when that is a plain name. `imports` [(path, line, what)]: imports
+    of Keras's or TensorFlow's internals (`keras.src`, `tensorflow.python`)
+    and of private names of modules other than keras_accum's."""
+    defined, members, used, imports = set(), {}, {}, []
+    for path, source in sources.items():
+        tree = ast.parse(source, str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        members.setdefault(item.name, []).append((path, item.lineno))
+                    elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                        for target in targets:
+                            for part in ast.walk(target):
+                                if isinstance(part, ast.Name):
+                                    members.setdefault(part.id, []).append((path, item.lineno))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    for part in ast.walk(target):
+                        member = None
+                        if isinstance(part, ast.Name):
+                            defined.add(part.id)
+                        elif isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name):
+                            if part.value.id in ("self", "cls"):
+                                member = part.attr
+                        elif _dict_key(part):
+                            member = _dict_key(part)
+                        if member:
+                            defined.add(member)
+                            members.setdefault(member, []).append((path, node.lineno))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                if node.func.id == "setattr" and len(node.args) > 1 and _string(node.args[1]):
+                    defined.add(_string(node.args[1]))
+                    members.setdefault(_string(node.args[1]), []).append((path, node.lineno))
+            name = receiver = None
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+                receiver = node.value.id if isinstance(node.value, ast.Name) else None
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                if node.func.id in _ATTRIBUTE_CALLS and len(node.args) > 1:
+                    name = _string(node.args[1])
+                    owner = node.args[0]
+                    receiver = owner.id if isinstance(owner, ast.Name) else None
+            elif _dict_key(node):
+                name = _dict_key(node)
+            if _private(name):
+                used.setdefault(name, []).append((path, node.lineno, receiver))
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = (
+                    [alias.name for alias in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
+                for module in modules:
+                    if module.split(".")[:2] in (["keras", "src"], ["tensorflow", "python"]):
+                        imports.append((path, node.lineno, module))
+                if isinstance(node, ast.ImportFrom) and node.level == 0:
+                    if not (node.module or "").startswith("keras_accum"):
+                        for alias in node.names:
+                            if _private(alias.name):
+                                imports.append((path, node.lineno, f"{node.module}.{alias.name}"))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if (node.value.id, node.attr) in (("keras", "src"), ("tf", "python")):
+                    imports.append((path, node.lineno, f"{node.value.id}.{node.attr}"))
+    members = {name: places for name, places in members.items() if _private(name)}
+    return {n for n in defined if _private(n)}, members, used, imports
+
+
+def keras_private_names():
+    """The private names of the Keras and TensorFlow classes that the
+    library's classes derive from (their attributes and those their
+    instances set), of a built Adam and of a built model: a name of ours
+    among them would read as, or overwrite, Keras's."""
+    import importlib
+    import inspect
+
+    import keras
+
+    bases = set()
+    for name in library_files():
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            if inspect.isclass(value) and value.__module__.startswith("keras_accum"):
+                bases |= {
+                    base
+                    for base in value.__mro__
+                    if base.__module__.split(".")[0] in ("keras", "tensorflow")
+                }
+    variable = keras.Variable(np.ones((2, 2), "float32"))
+    optimizer = keras.optimizers.Optimizer(0.1, use_ema=True, name="probe")
+    optimizer.build([variable])
+    adam = keras.optimizers.Adam(0.1)
+    adam.build([variable])
+    model = keras.Sequential([keras.Input((2,)), keras.layers.BatchNormalization()])
+    model.compile(optimizer, "mse", metrics=["mae"])
+    instances = [optimizer, adam, model, model.layers[0], keras.callbacks.Callback()]
+    names = {name for base in bases for name in dir(base)}
+    names |= {name for instance in instances for name in vars(instance)}
+    return {name for name in names if _private(name)}
+
+
+def library_sources():
+    return {path: path.read_text() for path in library_files().values() if path != COMPAT}
+
+
+def violations(sources, keras_names):
+    """'path:line name (why)' for each import of Keras's or TF's internals
+    outside _compat, and each private name there that is not the library's
+    own, or that is Keras's or TF's too: an attribute of ours by that name
+    (it overrides or shadows theirs) unless ALLOWED says why, and any use of
+    the name on another object than `self` (it may be theirs)."""
+    defined, members, used, imports = private_names(sources)
+    found = [f"{path}:{line} imports {what}" for path, line, what in imports]
+    for name, places in sorted(members.items()):
+        if name in keras_names and name not in ALLOWED:
+            found += [f"{path}:{line} {name} (defines Keras's or TF's)" for path, line in places]
+    for name, places in sorted(used.items()):
+        for path, line, receiver in places:
+            if any(receiver == owner and name.startswith(prefix) for owner, prefix in ALLOWED_ON):
+                continue
+            if name not in defined and name not in ALLOWED:
+                found.append(f"{path}:{line} {name} (not the library's own)")
+            elif name in keras_names and not (name in members and receiver in ("self", "cls")):
+                found.append(f"{path}:{line} {name} (Keras's or TF's too, read from {receiver})")
+    return found
+
+
+@pytest.fixture(scope="module")
+def keras_names():
+    return keras_private_names()
+
+
+def test_private_keras_and_tensorflow_names_only_in_compat(keras_names):
+    # Sanity: what the scan is measured against is Keras's, in numbers.
+    assert {"_iterations", "_trainable_variables", "_check_variables_are_known"} <= keras_names
+    assert {"_compile_loss", "_model_variables_moving_average"} <= keras_names
+    found = violations(library_sources(), keras_names)
+    assert not found, (
+        "private Keras/TF names outside keras_accum/_compat.py (move each into a "
+        "_compat function, or add it to ALLOWED with the reason):\n" + "\n".join(found)
+    )
+
+
+def test_the_scan_sees_a_private_keras_name_added_to_base(keras_names):
+    base = PACKAGE / "base.py"
+    sources = library_sources()
+    for added, expected in [
+        ("x = optimizer._iterations\n", "_iterations (not the library's own)"),
+        ("self._iterations = None\n", "_iterations (defines Keras's or TF's)"),
+        ('x = getattr(self, "_trainable_variables")\n', "_trainable_variables"),
+        (
+            'x = getattr(optimizer, "_velocities")\n',
+            "_velocities (Keras's or TF's too, read from optimizer)",
+        ),
+        ("from keras.src.backend import get_keras_mask\n", "imports keras.src.backend"),
+        ("from tensorflow.python.ops import control_flow_util\n", "imports tensorflow.python"),
+    ]:
+        found = violations({**sources, base: sources[base] + added}, keras_names)
+        assert len(found) == 1 and expected in found[0], (added, found)
+        assert found[0].startswith(f"{base}:")
+
+
+def test_no_stale_exception():
+    _, members, used, _ = private_names(library_sources())
+    for name in ALLOWED:
+        assert name in members or name in used, f"ALLOWED lists {name}, which nothing uses"
+    for owner, prefix in ALLOWED_ON:
+        assert any(
+            receiver == owner and name.startswith(prefix)
+            for name, places in used.items()
+            for _, _, receiver in places
+        ), f"ALLOWED_ON lists {owner}.{prefix}, which the library no longer uses"
