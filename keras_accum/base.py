@@ -151,13 +151,13 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         not applied yet: 0 at a window's boundary. Eager only."""
         if not self.built:
             return 0
-        step = int(ops.convert_to_numpy(self._micro_step))
+        # int(), not convert_to_numpy: NumPy 2 deprecates the `__array__` of
+        # Keras's Variable (no `copy` argument), so under `-W error` every
+        # `fit` failed here.
+        step = int(self._micro_step)
         if isinstance(self.steps, int):
             return step % self.steps
-        end, size = (
-            int(ops.convert_to_numpy(self._window_end)),
-            int(ops.convert_to_numpy(self._window_size)),
-        )
+        end, size = int(self._window_end), int(self._window_size)
         return 0 if step >= end else step - (end - size)
 
     def finalize_variable_values(self, var_list):
@@ -175,11 +175,7 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
             # Once per optimizer: `fit(epochs=1)` in a loop is a pattern the
             # README shows, and a partial window carries over to the next.
             self._warned_pending = True
-            size = (
-                self.steps
-                if isinstance(self.steps, int)
-                else int(ops.convert_to_numpy(self._window_size))
-            )
+            size = self.steps if isinstance(self.steps, int) else int(self._window_size)
             warnings.warn(
                 f"{type(self).__name__} '{self.name}': training ended inside a window: "
                 f"{pending} of its {size} micro-batches (per replica) are accumulated "
