@@ -30,7 +30,10 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
-    "sphinx.ext.mathjax",  # the browser loads MathJax; the build needs no network
+    "sphinx.ext.mathjax",  # the browser renders the equations with MathJax
+    # ...loaded from _static/mathjax (copied from this package's wheel), not
+    # from a CDN: the equations render with no network.
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
     "myst_parser",
     "public_api",  # fails the build when a public name has no page (docs/_ext)

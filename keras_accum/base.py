@@ -85,6 +85,15 @@ def _caller_stacklevel():
     return level
 
 
+def _int(variable):
+    """A scalar variable's value as an int, eagerly. Not through
+    convert_to_numpy: NumPy 2 deprecates Keras's `Variable.__array__` (no
+    `copy` argument), so under `-W error` every `fit` failed. Under
+    TensorFlow the value may be a MirroredVariable, which int() refuses."""
+    value = variable.value
+    return int(tf.convert_to_tensor(value) if _backend.IS_TENSORFLOW else value)
+
+
 class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
     """Base class: one micro-batch per `apply`, one update per window."""
 
@@ -151,13 +160,10 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
         not applied yet: 0 at a window's boundary. Eager only."""
         if not self.built:
             return 0
-        step = int(ops.convert_to_numpy(self._micro_step))
+        step = _int(self._micro_step)
         if isinstance(self.steps, int):
             return step % self.steps
-        end, size = (
-            int(ops.convert_to_numpy(self._window_end)),
-            int(ops.convert_to_numpy(self._window_size)),
-        )
+        end, size = _int(self._window_end), _int(self._window_size)
         return 0 if step >= end else step - (end - size)
 
     def finalize_variable_values(self, var_list):
@@ -181,11 +187,7 @@ class AccumulationOptimizer(WindowMixin, StateMixin, optimizers.Optimizer):
             # Once per optimizer: `fit(epochs=1)` in a loop is a pattern the
             # README shows, and a partial window carries over to the next.
             self._warned_pending = True
-            size = (
-                self.steps
-                if isinstance(self.steps, int)
-                else int(ops.convert_to_numpy(self._window_size))
-            )
+            size = self.steps if isinstance(self.steps, int) else _int(self._window_size)
             warnings.warn(
                 f"{type(self).__name__} '{self.name}': training ended inside a window: "
                 f"{pending} of its {size} micro-batches (per replica) are accumulated "

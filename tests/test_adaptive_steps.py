@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import references
 import tensorflow as tf
+from conftest import ends_mid_window
 from test_fit_and_saving import X, Y, build_model
 
 import keras_accum as ka
@@ -130,6 +131,7 @@ PLAN = [(1, [3.0]), (3, [NAN, 9.0]), (5, [10.0]), (8, [INF]), (21, [])]
 SAVED_AFTER = 1  # micro-step 3: inside a window, two of three estimates
 
 
+@ends_mid_window
 def test_state_is_saved_and_restored_mid_run(tmp_path):
     x, y = np.concatenate([X, X]), np.concatenate([Y, Y])
 

@@ -175,7 +175,8 @@ def test_masked_items_are_left_out():
     )
     tokens = RNG.integers(0, 7, size=(20, 5)).astype("int32")
     tokens[:, 0] = 1  # no micro-batch is all padding
-    model = fit(model, FROZEN["update_accumulation_adam"](2), 3, x=tokens, y=Y[:20])
+    with pytest.warns(UserWarning, match="1 of its 2 micro-batches"):  # the 7th, short
+        model = fit(model, FROZEN["update_accumulation_adam"](2), 3, x=tokens, y=Y[:20])
     embedded = keras.ops.convert_to_numpy(model.layers[0](tokens)).astype("float64")
     masks = micro_batches(tokens != 0, 3)
     expected = references.window_batch_norm(
@@ -206,8 +207,9 @@ def test_custom_loop_trainer_follows_its_optimizer():
 
 
 def test_save_mid_window_and_load_resumes_exactly(tmp_path):
-    def run(model, x, y):
-        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    def run(model, x, y):  # each run ends 2 micro-batches into a window
+        with pytest.warns(UserWarning, match="2 of its 4 micro-batches"):
+            model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
 
     make = lambda: ka.InvariantAdam(0.01, steps=4)  # weights move too
     whole = build()

@@ -143,7 +143,8 @@ def saved_mid_window(name, save):
     `save(model)`, then trained on `REST`."""
     model = build_model()
     model.compile(optimizer=MAKERS[name](), loss="mse")
-    model.fit(X[:8], Y[:8], batch_size=4, shuffle=False, verbose=0)
+    with pytest.warns(UserWarning, match="2 of its 4 micro-batches"):
+        model.fit(X[:8], Y[:8], batch_size=4, shuffle=False, verbose=0)
     assert int(model.optimizer.micro_step) == 2  # mid-window
     save(model)
     model.fit(*REST, batch_size=4, shuffle=False, verbose=0)
@@ -159,7 +160,8 @@ def test_save_and_load_mid_window_continues_exactly(name, tmp_path):
     restored = keras.models.load_model(path)
     assert type(restored.optimizer) is type(model.optimizer)
     assert int(restored.optimizer.micro_step) == 2
-    restored.fit(*rest, batch_size=4, shuffle=False, verbose=0)
+    with pytest.warns(UserWarning, match="2 of its 4 micro-batches"):  # as `model` did
+        restored.fit(*rest, batch_size=4, shuffle=False, verbose=0)
     assert int(restored.optimizer.iterations) == int(model.optimizer.iterations)
     for a, b in zip(restored.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
@@ -177,7 +179,8 @@ def test_load_weights_before_the_first_step_restores_the_window(name, tmp_path):
     fresh.compile(optimizer=MAKERS[name](), loss="mse")
     fresh.load_weights(path)
     assert not fresh.optimizer.built and int(fresh.optimizer.micro_step) == 0
-    fresh.fit(*rest, batch_size=4, shuffle=False, verbose=0)
+    with pytest.warns(UserWarning, match="2 of its 4 micro-batches"):  # as `model` did
+        fresh.fit(*rest, batch_size=4, shuffle=False, verbose=0)
     assert int(fresh.optimizer.micro_step) == int(model.optimizer.micro_step) == 6
     assert int(fresh.optimizer.iterations) == int(model.optimizer.iterations)
     for a, b in zip(fresh.get_weights(), model.get_weights()):
@@ -213,7 +216,8 @@ def test_a_model_saved_before_its_first_step_loads_and_trains(name, tmp_path):
     model.compile(optimizer=MAKERS[name](), loss="mse")
     path = str(tmp_path / "untrained.keras")
     model.save(path)
-    restored = keras.models.load_model(path)
+    with pytest.warns(UserWarning, match="saved before its first step"):
+        restored = keras.models.load_model(path)
     restored.fit(X[:16], Y[:16], batch_size=4, shuffle=False, verbose=0)
     model.fit(X[:16], Y[:16], batch_size=4, shuffle=False, verbose=0)
     for a, b in zip(restored.get_weights(), model.get_weights()):
@@ -234,7 +238,10 @@ def test_load_weights_of_another_optimizer_skips_its_state_loudly(tmp_path):
     other.load_weights(path)
     for a, b in zip(other.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
-    with pytest.warns(UserWarning, match="saved state is skipped"):
+    with (
+        pytest.warns(UserWarning, match="saved state is skipped"),
+        pytest.warns(UserWarning, match="2 of its 4 micro-batches"),
+    ):
         other.fit(X[:8], Y[:8], batch_size=4, verbose=0)
     assert int(other.optimizer.micro_step) == 2 and int(other.optimizer.iterations) == 0
 

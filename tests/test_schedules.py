@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import references
 import tensorflow as tf
-from conftest import micro_steps, mirrored_strategy
+from conftest import ends_mid_window, micro_steps, mirrored_strategy
 from test_fit_and_saving import X, Y, build_model
 
 import keras_accum as ka
@@ -434,6 +434,7 @@ MAKERS = {
         "gradient_accumulation",
     ],
 )
+@ends_mid_window
 def test_save_and_load_mid_window_across_a_switch(name, tmp_path):
     # Windows of 2, 2, 4, 4: micro-step 3 is inside the second window, past
     # the boundary but still of size 2; micro-step 5 inside the first of 4.
@@ -593,6 +594,7 @@ def test_adaptive_steps_follow_the_noise_scale_and_never_decrease():
         ka.AdaptiveSteps().observe(3.0)
 
 
+@ends_mid_window
 def test_adaptive_steps_change_at_window_starts_and_are_saved(tmp_path):
     model = build_model()
     steps = ka.AdaptiveSteps(1, 4, 4, smoothing=0.0, min_observations=1)

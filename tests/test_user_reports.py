@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import ends_mid_window
 
 import keras_accum as ka
 
@@ -148,6 +149,9 @@ def _dense_model(optimizer, outputs=1):
     return model
 
 
+# Under mixed_float16 the loss scaler skips the first step (its scale starts
+# too high), so one micro-batch of the last window is pending at the end.
+@ends_mid_window
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_swap_ema_weights_sees_the_wrapped_optimizers_ema(policy):
     # Under mixed_float16 Keras's callback unwraps the loss scaler and lands

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 import references
+from conftest import ends_mid_window
 
 import keras_accum as ka
 from keras_accum import _backend, diagnostics
@@ -102,6 +103,7 @@ class Observer(keras.callbacks.Callback):
             optimizer.steps.observe(self.estimates[batch])
 
 
+@ends_mid_window  # 2 micro-batches pending, asserted
 def test_adaptive_steps_drive_fit():
     """Micro-batches of 4; B_simple 30 after batch 1 gives windows of
     ceil(30 / 4) = 8 capped at 4 from micro-step 2 on; a later, smaller
@@ -116,6 +118,7 @@ def test_adaptive_steps_drive_fit():
     optimizer = adaptive.optimizer
     assert number(optimizer.iterations) == 3  # 1 + 1 + one window of 4, 2 pending
     assert number(optimizer.micro_step) == 8
+    assert optimizer.pending_micro_batches() == 2
     assert [d.steps for d in steps.decisions] == [4, 4]
     assert [d.micro_step for d in steps.decisions] == [2, 5]
 
@@ -124,6 +127,7 @@ def test_adaptive_steps_drive_fit():
         optimizer=ka.InvariantAdam(0.01, steps=ka.PiecewiseSteps([2], [1, 4])), loss="mse"
     )
     piecewise.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert piecewise.optimizer.pending_micro_batches() == 2
     for a, b in zip(adaptive.get_weights(), piecewise.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 

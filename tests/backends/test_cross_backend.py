@@ -13,6 +13,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from conftest import ends_mid_window
 
 import keras_accum as ka
 
@@ -52,6 +53,7 @@ def model():
     )
 
 
+@ends_mid_window  # saved 2 micro-batches into a window, on purpose
 @pytest.mark.parametrize("other", OTHERS)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_saved_mid_window_loads_on_another_backend(name, other, tmp_path):

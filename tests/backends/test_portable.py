@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 import references as ref
+from conftest import ends_mid_window
 
 import keras_accum as ka
 
@@ -255,6 +256,7 @@ def test_fit_counts_updates():
     assert int(keras.ops.convert_to_numpy(optimizer.micro_step)) == 8
 
 
+@ends_mid_window  # saved 2 micro-batches into a window, asserted
 @pytest.mark.parametrize(
     "make",
     [
@@ -291,6 +293,30 @@ def test_save_mid_window_resumes(make, tmp_path):
     assert int(keras.ops.convert_to_numpy(resumed.optimizer.iterations)) == int(
         keras.ops.convert_to_numpy(whole.optimizer.iterations)
     )
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+@ends_mid_window
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4),
+        lambda: ka.InvariantAdam(0.01, steps=ka.PiecewiseSteps([4], [4, 2])),
+    ],
+    ids=["ga", "ia_schedule"],
+)
+def test_fit_under_deprecation_warnings_as_errors(make):
+    """A user's `filterwarnings = error`: NumPy 2 deprecates Keras's
+    Variable.__array__, which the end of every `fit` went through to read
+    the window's counters (mid-window and on a boundary)."""
+    x, y = data()
+    m = model()
+    m.compile(optimizer=make(), loss="mse")
+    m.fit(x[:16], y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert m.optimizer.pending_micro_batches() == 2
+    m.fit(x[16:], y[16:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert m.optimizer.pending_micro_batches() == 0
+    assert int(m.optimizer.iterations) == 1
 
 
 # -- what each backend refuses --------------------------------------------------------
@@ -499,6 +525,7 @@ def test_tensorflow_only_packages_say_so_at_import(module):
         importlib.import_module(module)
 
 
+@ends_mid_window  # the loss scaler's skipped micro-batches shift the windows
 @pytest.mark.parametrize(
     "make",
     [
