@@ -120,6 +120,10 @@ SLOTS_PER_PARAMETER = {"ga": 3, "update": 3, "invariant": 2}  # GA: accumulator 
 
 
 def _run(script, timeout):
+    return _run_file(["-c", script], timeout)
+
+
+def _run_file(arguments, timeout):
     env = dict(
         os.environ,
         KERAS_BACKEND="jax",
@@ -127,7 +131,7 @@ def _run(script, timeout):
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
     )
     out = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, *arguments],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -171,3 +175,20 @@ def test_slots_are_sharded_as_their_parameters_and_train_as_one_device():
     kappa = [w for w in runs["data_parallel/invariant"]["warnings"] if "kappa = steps" in w]
     assert len(kappa) == 1
     assert not [w for w in runs["model_parallel/invariant"]["warnings"] if "kappa" in w]
+
+
+def test_sharded_state_script_measures_and_renders(tmp_path):
+    import json
+
+    script = os.path.join(ROOT, "scripts", "jax_sharded_state.py")
+    output = tmp_path / "after.json"
+    _run_file([script, "--width=4", f"--output={output}"], 300)
+    rows = {(r["optimizer"], r["setting"]): r for r in json.loads(output.read_text())["rows"]}
+    assert len(rows) == 12
+    for (name, setting), row in rows.items():
+        assert row["slots_unlike_parameter"] == 0, (name, setting)
+        if setting == "model_parallel":
+            replicated = rows[(name, "data_parallel")]["state_bytes_device0"]
+            assert 0 < row["state_bytes_device0"] < replicated, name
+    table = _run_file([script, f"--render={output}"], 60).stdout
+    assert "| grad_accum | model_parallel |" in table
