@@ -192,3 +192,18 @@ def test_sharded_state_script_measures_and_renders(tmp_path):
             assert 0 < row["state_bytes_device0"] < replicated, name
     table = _run_file([script, f"--render={output}"], 60).stdout
     assert "| grad_accum | model_parallel |" in table
+
+
+def test_per_device_gradient_script_agrees_and_times_three_arms(tmp_path):
+    import json
+
+    script = os.path.join(ROOT, "scripts", "jax_per_device_grads.py")
+    output = tmp_path / "per_device.json"
+    _run_file(
+        [script, "--width=8", "--depth=1", "--rounds=2", "--calls=1", f"--output={output}"], 300
+    )
+    result = json.loads(output.read_text())
+    # The per-device mean gradient is Keras's, the squares numpy's.
+    assert result["max_disagreement"] < 1e-4
+    assert set(result["ms_per_call"]) == {"keras_like", "shard_mean", "shard_both"}
+    assert all(len(v) == 2 and min(v) > 0 for v in result["samples_ms"].values())
