@@ -153,6 +153,13 @@ def track_variable(optimizer, variable):
     optimizer._track_variable(variable)
 
 
+def variable_layout(variable):
+    """The layout `keras.distribution` gave `variable` (None without one):
+    what Keras's `add_variable_from_reference` passes to a slot so that it
+    is sharded as its parameter. Checked on Keras 3.10-3.15."""
+    return getattr(variable, "_layout", None)
+
+
 def learning_rate_schedule(optimizer):
     """The learning rate as given (a float, a variable, a schedule or a
     callable), before Keras evaluates it at `iterations`. Checked on Keras

@@ -129,12 +129,17 @@ def add_local_variable(optimizer, shape, dtype, name, reference=None):
     part, a read in cross-replica context (or a checkpoint) sees the sum,
     and a cross-replica assign splits the value evenly over the replicas.
     With `reference` (a model variable) it is named after it and placed
-    with it."""
+    with it: colocated under `tf.distribute`, sharded as it is under
+    `keras.distribution` (JAX)."""
     colocate = contextlib.nullcontext()
     if reference is not None:
         prefix = getattr(reference, "path", reference.name)
         name = f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
     if not _backend.IS_TENSORFLOW:  # one device's worth of state
+        # Under `keras.distribution` it takes its reference's layout, as a
+        # slot of `add_variable_from_reference` does (without, the
+        # distribution would replicate it: its path is in no LayoutMap).
+        layout = None if reference is None else _compat.variable_layout(reference)
         with keras.name_scope(optimizer.name, caller=optimizer):
             variable = keras.Variable(
                 initializer=initializers.get("zeros"),
@@ -142,6 +147,7 @@ def add_local_variable(optimizer, shape, dtype, name, reference=None):
                 dtype=dtype,
                 trainable=False,
                 name=name,
+                **({} if layout is None else {"layout": layout}),
             )
         _compat.track_variable(optimizer, variable)
         return variable

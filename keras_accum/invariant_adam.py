@@ -52,6 +52,25 @@ class InvariantAdam(AdamFamily):
     m and v are replica-local sums, all reduced in one batched all-reduce
     per window.
 
+    **JAX's `keras.distribution` (`DataParallel`, or a `ModelParallel`
+    with a batch axis of several devices): kappa = steps**, not steps x
+    devices, and the optimizer warns once. Keras's JAX `train_step`
+    differentiates the loss of the whole sharded batch inside one
+    `jax.jit` (keras/src/backend/jax/trainer.py, Keras 3.15.1: line 131,
+    `jax.value_and_grad`; line 275, `jit`), so XLA all-reduces the
+    devices' gradients before `stateless_apply` (line 151) receives them:
+    each step's gradient is one micro-batch of the global batch, and no
+    public hook reaches the devices' own gradients. They would take a
+    `train_step` of one's own with `jax.shard_map` around the
+    differentiation (the parameters cast to varying over the batch axis
+    first, else their gradient comes back already summed), a second input
+    to this optimizer (the devices' mean squared gradient) and one more
+    parameter-sized all-reduce per micro-batch: 1.5x and 1.9x the time of
+    the gradient computation on 2 CPU devices for 0.79M and 3.1M
+    parameters (`scripts/jax_per_device_grads.py`, BENCHMARKS.md). Hence
+    the warning: here a micro-batch is a step's whole global batch, and
+    `scaling_rule` and `scale_hyperparameters` count kappa = steps of them.
+
     Conventions:
 
     * epsilon sits outside the square root as in `keras.optimizers.Adam`, so

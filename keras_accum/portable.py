@@ -219,15 +219,30 @@ def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variab
     return list(new_trainable), own_values + list(new_inner)
 
 
+def _data_parallel_devices():
+    """Devices along the batch axis of the `keras.distribution` in scope
+    (1 without one): those a step's gradient is averaged over before the
+    optimizer sees it. A `ModelParallel` whose batch axis has one device
+    splits no batch."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    mesh = distribution.device_mesh
+    batch_axis = getattr(distribution, "batch_dim_name", None)
+    if batch_axis in mesh.axis_names:
+        return int(mesh.shape[list(mesh.axis_names).index(batch_axis)])
+    return int(mesh.devices.size)
+
+
 def warn_data_parallel(optimizer):
-    """Under `keras.distribution` on several devices the optimizer sees the
-    gradient averaged over them: `InvariantAdam` then squares one gradient
-    per step, so kappa = steps, not steps x devices as under
-    `tf.distribute` (where each replica's gradient is a micro-batch)."""
+    """Under `keras.distribution` with a batch split over several devices
+    the optimizer sees the gradient averaged over them: `InvariantAdam`
+    then squares one gradient per step, so kappa = steps, not steps x
+    devices as under `tf.distribute` (where each replica's gradient is a
+    micro-batch)."""
     if _backend.IS_TENSORFLOW:
         return
-    distribution = keras.distribution.distribution()
-    devices = len(getattr(distribution, "device_mesh", None).devices.flat) if distribution else 1
+    devices = _data_parallel_devices()
     if devices > 1:
         warnings.warn(
             f"{type(optimizer).__name__} under keras.distribution on {devices} devices: "
