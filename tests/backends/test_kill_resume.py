@@ -78,6 +78,11 @@ def run_child(tmp_path, folder, *pairs):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    BACKEND == "tensorflow",
+    reason="TensorFlow's fit and loop are drilled by tests/test_run_folder.py and "
+    "tests/test_kill_drill.py (this one passed there too; skipped to keep CI short)",
+)
 def test_sigkill_mid_fit_resumes_to_the_uninterrupted_run(tmp_path):
     """Five processes: each killed one dies in the middle of epoch 3, the
     next resumes it (and kills the next optimizer), then an uninterrupted
