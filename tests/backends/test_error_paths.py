@@ -128,3 +128,95 @@ def test_import_chooses_no_backend(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["numpy", "False"]
+
+
+# -- the library's bad-input table (the scripts' is tests/test_bad_input.py) --
+# (case, call, the argument named, the value echoed): each is refused in ONE
+# line that names the argument and echoes what was received, on every backend.
+
+BAD_INPUT = [
+    ("steps 0", lambda: ka.InvariantAdam(steps=0), "`steps`", "steps=0"),
+    ("steps str", lambda: ka.UpdateAccumulationAdam(steps="4"), "`steps`", "steps='4'"),
+    ("steps float", lambda: ka.GradientAccumulation(keras.optimizers.SGD(), 2.5), "`steps`", "2.5"),
+    ("nonfinite", lambda: ka.InvariantAdam(nonfinite="skip"), "`nonfinite`", "'skip'"),
+    (
+        "skip_window on IA",
+        lambda: ka.InvariantAdam(nonfinite="skip_window"),
+        "skip_window",
+        "nonfinite='skip_window'",
+    ),
+    ("learning_rate", lambda: ka.InvariantAdam(-1e-3), "`learning_rate`", "-0.001"),
+    ("beta_1", lambda: ka.UpdateAccumulationAdam(beta_1=1.5), "`beta_1`", "beta_1=1.5"),
+    ("beta_2", lambda: ka.InvariantAdam(beta_2=-0.1), "`beta_2`", "beta_2=-0.1"),
+    ("epsilon", lambda: ka.InvariantAdam(epsilon=-1.0), "`epsilon`", "epsilon=-1.0"),
+    ("weight_decay", lambda: ka.InvariantAdam(weight_decay=-0.1), "`weight_decay`", "-0.1"),
+    ("scaling_rule", lambda: ka.InvariantAdam(scaling_rule="cubic"), "`scaling_rule`", "cubic"),
+    (
+        "keras accumulation",
+        lambda: ka.InvariantAdam(gradient_accumulation_steps=2),
+        "`gradient_accumulation_steps`",
+        "gradient_accumulation_steps=2",
+    ),
+    ("inner not an optimizer", lambda: ka.GradientAccumulation("adam", 2), "`optimizer`", "adam"),
+    (
+        "nested",
+        lambda: ka.GradientAccumulation(ka.InvariantAdam(), 2),
+        "`optimizer`",
+        "Received: optimizer=",
+    ),
+    (
+        "inner with Keras's accumulation",
+        lambda: ka.GradientAccumulation(keras.optimizers.Adam(gradient_accumulation_steps=2), 2),
+        "gradient_accumulation_steps",
+        "2",
+    ),
+    (
+        "PiecewiseSteps not increasing",
+        lambda: ka.PiecewiseSteps([8, 4], [1, 2, 4]),
+        "`boundaries`",
+        "[8, 4]",
+    ),
+    (
+        "PiecewiseSteps lengths",
+        lambda: ka.PiecewiseSteps([4], [1, 2, 4]),
+        "`values`",
+        "[1, 2, 4]",
+    ),
+    (
+        "scale_hyperparameters kappa",
+        lambda: ka.scale_hyperparameters(0, "linear", 1e-3),
+        "`kappa`",
+        "kappa=0",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call, argument, echoed", [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT]
+)
+def test_bad_input_is_refused_in_one_line_naming_the_argument(call, argument, echoed):
+    with pytest.raises(ValueError) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message, message
+    assert argument in message, message
+    assert echoed in message, message
+
+
+BAD_WEIGHTS = [0, -2.0, float("nan"), True, np.ones(2, "float32"), "3"]
+
+
+@pytest.mark.parametrize("weight", BAD_WEIGHTS, ids=[repr(w) for w in BAD_WEIGHTS])
+def test_bad_weight_is_refused_and_changes_nothing(weight):
+    """A bad `weight` is refused before anything is written: the variables,
+    the counters and the window stay as they were."""
+    variable = keras.Variable(np.ones((2,), "float32"))
+    optimizer = ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=2)
+    optimizer.apply([keras.ops.ones((2,))], [variable], weight=3.0)  # half a window
+    before = [keras.ops.convert_to_numpy(v).copy() for v in optimizer.variables + [variable]]
+    with pytest.raises(ValueError, match=r"`weight` must be .*Received: weight=") as caught:
+        optimizer.apply([keras.ops.ones((2,))], [variable], weight=weight)
+    assert "\n" not in str(caught.value)
+    after = [keras.ops.convert_to_numpy(v) for v in optimizer.variables + [variable]]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
