@@ -17,6 +17,8 @@ import references as ref
 import keras_accum as ka
 
 BACKEND = keras.backend.backend()
+# Batch renormalization came with Keras 3.14.
+HAS_RENORM = "renorm" in keras.layers.BatchNormalization().get_config()
 
 RNG = np.random.default_rng(0)
 # Mean 1, spread 2: a shift the sums must not lose.
@@ -115,6 +117,53 @@ def test_default_momentum_is_per_micro_step():
         K * B,
     )
     assert_close(moving(model), moving(keras_model))
+
+
+@pytest.mark.skipif(not HAS_RENORM, reason="renorm=True needs Keras 3.14+")
+@pytest.mark.parametrize("unit", ["micro_step", "update"])
+def test_renorm_statistics_are_keras_at_the_big_batch(unit):
+    # Per micro-step both momenta are raised to the window's K: Keras's
+    # layer at the big batch with momentum and renorm_momentum to the K.
+    power = K if unit == "micro_step" else 1
+    model = fit(build(renorm=True, momentum_unit=unit), FROZEN["gradient_accumulation"](K), B)
+    keras_model = fit(
+        build(
+            keras.layers.BatchNormalization,
+            momentum=MOMENTUM**power,
+            renorm=True,
+            renorm_momentum=0.99**power,
+        ),
+        keras.optimizers.SGD(0.0),
+        K * B,
+    )
+    names = ("moving_mean", "moving_variance", "moving_stddev", "renorm_mean", "renorm_stddev")
+    mine, theirs = model.layers[1], keras_model.layers[1]
+    assert_close(
+        [numpy(getattr(mine, n)) for n in names], [numpy(getattr(theirs, n)) for n in names]
+    )
+
+
+def test_masked_items_are_left_out():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(7, 3, mask_zero=True),
+            ka.layers.BatchNormalization(momentum=MOMENTUM),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
+    )
+    tokens = RNG.integers(0, 7, size=(20, 5)).astype("int32")
+    tokens[:, 0] = 1  # no micro-batch is all padding
+    model = fit(model, FROZEN["update_accumulation_adam"](2), 3, x=tokens, y=Y[:20])
+    embedded = numpy(model.layers[0](tokens)).astype("float64")
+    masks = micro_batches(tokens != 0, 3)
+    expected = ref.window_batch_norm_state(
+        micro_batches(embedded, 3), [2] * 4, MOMENTUM, 0.0, 1.0, "micro_step", masks
+    )
+    assert_close(state(model), expected)  # 7 micro-batches: the last window in progress
+    assert_counts_agree(model)
 
 
 @pytest.mark.parametrize("unit", ["micro_step", "update"])
