@@ -60,10 +60,10 @@ class BatchNormalization(keras.layers.BatchNormalization):
     The momentum's unit (`momentum_unit`):
 
     * "micro_step" (the default): `momentum` is per micro-step, as Keras's
-      layer under accumulation moves; one update that ends a window of
-      kappa micro-steps moves with m = momentum ** kappa (kappa the
-      optimizer's `window_steps`: `steps`, or a schedule's value for that
-      window; micro-batches per replica). The statistics forget over about
+      layer under accumulation moves; one update that ends a window of k
+      micro-steps moves with m = momentum ** k (k the optimizer's
+      `window_steps`: `steps`, or a schedule's value for that window; k =
+      kappa on one device). The statistics forget over about
       1 / (1 - momentum) micro-steps, the same horizon in examples as
       Keras's layer under the same accumulation (docs/BATCH_NORM.md:
       0.862 test accuracy, as Keras's layer, where "update" gave 0.586).
