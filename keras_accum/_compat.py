@@ -23,6 +23,7 @@ Two reliances on Keras internals cannot live here, as they are not calls:
 """
 
 import contextlib
+import sys
 
 from keras_accum._backend import tf
 
@@ -245,6 +246,27 @@ def calling_model():
     return None if context is None else context.entry_layer
 
 
+def training_model():
+    """Off TensorFlow: the model whose training step runs the call in
+    progress, or None. `calling_model()` under PyTorch (Keras's `train_step`
+    calls `model(x)`); under JAX the model whose `stateless_call` runs it:
+    Keras's JAX trainer runs the forward pass as `model.stateless_call`,
+    which calls `call`, not `__call__`, so no call context names the model
+    (read from the caller's frames, once per trace)."""
+    model = calling_model()
+    if getattr(model, "optimizer", None) is not None:
+        return model
+    # Layer.stateless_call(self, ...) and its `self`; checked: Keras 3.15.1.
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "stateless_call":
+            owner = frame.f_locals.get("self")
+            if getattr(owner, "optimizer", None) is not None:
+                return owner
+        frame = frame.f_back
+    return model
+
+
 def batch_moments(layer, inputs, mask):
     """(mean, biased variance) of a micro-batch per channel, as Keras's
     layer normalizes with them (mask and `synchronized` honoured)."""
@@ -260,13 +282,6 @@ def renorm_transform(layer, mean, variance, gamma, beta, dtype):
     # ._compose_transforms; checked: Keras 3.15.1.
     r, d, _, _ = layer._renorm_correction_and_moments(mean, variance)
     return layer._compose_transforms(r, d, gamma, beta, dtype)
-
-
-def update_renorm_statistics(layer, mean, variance):
-    """The moving and renorm statistics of `renorm=True` moved towards a
-    batch's `mean` and `variance`, as Keras's layer moves them."""
-    # BatchNormalization._update_renorm_statistics; checked: Keras 3.15.1.
-    layer._update_renorm_statistics(mean, variance)
 
 
 def all_layers(layer):

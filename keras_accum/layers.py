@@ -11,6 +11,9 @@ for it in a built model.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import weakref
 from typing import Any
 
 import keras
@@ -18,6 +21,13 @@ from keras import ops
 
 from keras_accum import _backend, _compat, _replicas, base
 from keras_accum._backend import tf
+from keras_accum.schedules import PiecewiseSteps, StepsSchedule
+from keras_accum.validation import check_choice
+
+# What `momentum` is per: a micro-step (Keras's layer under accumulation
+# moves once per micro-step; an update moves with momentum ** steps), or an
+# update (the big batch's layer).
+MOMENTUM_UNITS = ("micro_step", "update")
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -26,30 +36,40 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     A drop-in `keras.layers.BatchNormalization` (same arguments, same
     inference, same training-time normalization) for a model trained with a
-    keras_accum optimizer. Micro-batch i of a window, with n_i items, mean
-    mu_i and biased variance s_i^2 per channel (over every axis but `axis`,
-    masked items left out), is folded into three sums around the shift
-    c = `moving_mean` (which holds still during a window):
+    keras_accum optimizer, on TensorFlow, JAX and PyTorch. Micro-batch i of
+    a window, with n_i items, mean mu_i and biased variance s_i^2 per
+    channel (over every axis but `axis`, masked items left out), is folded
+    into three sums around the shift c = `moving_mean` (which holds still
+    during a window):
 
         S1 += n_i (mu_i - c),  S2 += n_i (s_i^2 + (mu_i - c)^2),  N += n_i
 
     and at the window's end, with mu = c + S1 / N and s^2 = S2 / N - (S1 / N)^2
-    (the biased variance of the window's N items, as Keras's layer uses):
+    (the biased variance of the window's N items, as Keras's layer uses)
+    and m the momentum of one update (below):
 
-        moving_mean     = momentum * moving_mean     + (1 - momentum) * mu
-        moving_variance = momentum * moving_variance + (1 - momentum) * s^2
+        moving_mean     = m * moving_mean     + (1 - m) * mu
+        moving_variance = m * moving_variance + (1 - m) * s^2
 
     then the sums restart. These are the statistics Keras's layer would
-    reach at a batch of the whole window, updated once per update (to
-    float32 rounding). With `renorm=True` the moving and renorm statistics
-    move once per window too, as Keras moves them for a batch of mean mu and
-    variance s^2.
+    reach at a batch of the whole window with momentum m (to float32
+    rounding). With `renorm=True` the moving and renorm statistics move
+    once per window too, as Keras moves them for a batch of mean mu and
+    variance s^2 (`renorm_momentum` takes the same unit).
 
-    The horizon is the big batch's too: the moving statistics forget over
-    about 1 / (1 - momentum) updates, where Keras's layer under
-    accumulation forgets over as many micro-batches. In a run of few
-    updates pass `momentum=0.99 ** kappa` to keep the horizon in examples
-    (docs/BATCH_NORM.md measures both).
+    The momentum's unit (`momentum_unit`):
+
+    * "micro_step" (the default): `momentum` is per micro-step, as Keras's
+      layer under accumulation moves; one update that ends a window of k
+      micro-steps moves with m = momentum ** k (k the optimizer's
+      `window_steps`: `steps`, or a schedule's value for that window; k =
+      kappa on one device). The statistics forget over about
+      1 / (1 - momentum) micro-steps, the same horizon in examples as
+      Keras's layer under the same accumulation (docs/BATCH_NORM.md:
+      0.862 test accuracy, as Keras's layer, where "update" gave 0.586).
+    * "update": `momentum` is per update, m = momentum, as Keras's layer at
+      the big batch: the statistics forget over about 1 / (1 - momentum)
+      updates, kappa times more examples (keras_accum 0.3.0's behaviour).
 
     What stays per micro-batch: the normalization in training uses the
     micro-batch's own mean and variance ("ghost" batch normalization,
@@ -63,9 +83,26 @@ class BatchNormalization(keras.layers.BatchNormalization):
     (`keras_accum.training.Trainer` attaches its own). With no optimizer,
     or one that does not accumulate (e.g. `keras.optimizers.Adam`), or in
     inference, the layer is `keras.layers.BatchNormalization`, bit for bit.
-    The moving statistics move in the `apply` call that ends a window (the
-    same training step as the update), through
-    `AccumulationOptimizer.on_window_end`.
+
+    Where the window ends: on TensorFlow the moving statistics move in the
+    optimizer's `apply` call that ends a window (the same training step as
+    the update), through `AccumulationOptimizer.on_window_end`. On JAX and
+    PyTorch the optimizer's step cannot write the layer's variables (JAX's
+    `stateless_apply` returns the optimizer's and the trainable ones only),
+    so the layer counts its own training calls (`micro_step`, with the
+    window's `window_steps` and `window_end`, non-trainable variables saved
+    with the model) and bounds its windows as the optimizer does: the call
+    of a window's last micro-batch folds it and moves the statistics, so
+    the layer's state after each micro-batch is TensorFlow's. It follows an
+    integer `steps` or a `PiecewiseSteps` (it evaluates the schedule on its
+    own count); `AdaptiveSteps`, sized from the optimizer's state, is
+    refused there in one line. Its count is the optimizer's `micro_step` as
+    long as each training step calls it once: a micro-batch skipped under
+    `nonfinite="skip_micro_batch"` is counted by both; a step a
+    `LossScaleOptimizer` skips (an overflow), a second call of the layer
+    in one step, or a call with `training=True` outside training is
+    counted by the layer alone and shifts its windows from the optimizer's
+    by one micro-batch (each window still holds kappa micro-batches).
 
     Replicas: each replica adds its own micro-batches to its own sums
     (replica-local variables, no communication). At the window's end the
@@ -75,20 +112,31 @@ class BatchNormalization(keras.layers.BatchNormalization):
     window; nothing is sent on the other micro-steps. (Keras's layer, for
     comparison, writes its moving statistics on every micro-step.) With
     `synchronized=True` Keras's own all-reduce of the micro-batch's moments
-    runs on every micro-step as well, for the normalization.
+    runs on every micro-step as well, for the normalization. Under JAX's
+    `keras.distribution.DataParallel` the layer sees the global
+    micro-batch, and its state is one device's.
 
     State: `window_sum`, `window_square_sum`, `window_count` (S1, S2, N per
     channel; float32, float64 under a float64 policy) are non-trainable
-    variables of the layer, saved with the model: a model saved inside a
-    window resumes it exactly. A micro-batch the optimizer skips (a
-    non-finite gradient under a loss scaler) still counts in the sums; a
-    model called with `training=True` outside training adds to them, as it
-    moves Keras's statistics. A layer called twice in one step folds both
-    calls into its window.
+    variables of the layer, saved with the model (with the counters off
+    TensorFlow): a model saved inside a window resumes it exactly. On
+    TensorFlow a micro-batch the optimizer skips (a non-finite gradient
+    under a loss scaler) still counts in the sums; a model called with
+    `training=True` outside training adds to them, as it moves Keras's
+    statistics. A layer called twice in one step folds both calls into its
+    window. A model saved on TensorFlow loads on JAX or PyTorch with the
+    layer's counters at 0 (its next window starts at the next training
+    call), and the other way round.
+
+    Args:
+        *args: as `keras.layers.BatchNormalization`.
+        momentum_unit: "micro_step" (default) or "update": what one
+            `momentum` step is (above).
+        **kwargs: as `keras.layers.BatchNormalization`.
 
     Example:
         The moving statistics move once per window of 4 micro-batches, to
-        those of its 16 items:
+        those of its 16 items, with momentum 0.99 per micro-step:
 
         >>> import numpy as np, keras, keras_accum
         >>> model = keras.Sequential([
@@ -103,16 +151,22 @@ class BatchNormalization(keras.layers.BatchNormalization):
         >>> x = np.arange(48, dtype="float32").reshape(16, 3)
         >>> _ = model.fit(x, np.zeros((16, 1)), batch_size=4, shuffle=False, verbose=0)
         >>> moving_mean = model.layers[0].moving_mean.numpy()
-        >>> np.allclose(moving_mean, 0.01 * x.mean(axis=0))  # momentum 0.99, one update
+        >>> np.allclose(moving_mean, (1 - 0.99**4) * x.mean(axis=0))  # one update
         True
     """
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        _backend.require_tensorflow("`keras_accum.layers.BatchNormalization`")
+    def __init__(self, *args: Any, momentum_unit: str = "micro_step", **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.momentum_unit = check_choice("momentum_unit", momentum_unit, MOMENTUM_UNITS)
         # `attach`'s optimizer (a function returning it), or None: the
         # optimizer of the model being called.
         self._follows = None
+        # The optimizer whose window the last training call folded into (a
+        # weak reference): its window size sets the momentum of the update.
+        self._followed = None
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "momentum_unit": self.momentum_unit}
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -120,7 +174,10 @@ class BatchNormalization(keras.layers.BatchNormalization):
         dtype = keras.backend.result_type(self.variable_dtype, "float32")
         # Replica-local (on-read SUM): each replica adds its own part, a
         # read in cross-replica context (or a save) sees the total.
-        with keras.name_scope(self.name, caller=self), _replicas.sync_on_read():
+        local_scope = (
+            _replicas.sync_on_read() if _backend.IS_TENSORFLOW else contextlib.nullcontext()
+        )
+        with keras.name_scope(self.name, caller=self), local_scope:
             local = dict(
                 initializer="zeros",
                 shape=shape,
@@ -132,6 +189,18 @@ class BatchNormalization(keras.layers.BatchNormalization):
             self.window_sum = keras.Variable(name="window_sum", **local)
             self.window_square_sum = keras.Variable(name="window_square_sum", **local)
             self.window_count = keras.Variable(name="window_count", **local)
+        if _backend.IS_TENSORFLOW:
+            return
+        # Off TensorFlow the layer counts its windows itself, as the
+        # optimizer does (`keras_accum.window`): the training calls so far,
+        # and the size and end micro-step of the current window. Created
+        # after the sums, and only here: TensorFlow's saved format is as
+        # before.
+        with keras.name_scope(self.name, caller=self):
+            counter = dict(initializer="zeros", shape=(), dtype=_backend.INT, trainable=False)
+            self.micro_step = keras.Variable(name="micro_step", **counter)
+            self.window_steps = keras.Variable(name="window_steps", **counter)
+            self.window_end = keras.Variable(name="window_end", **counter)
 
     def call(self, inputs, training=None, mask=None):
         optimizer = self._window_optimizer() if training and self.trainable else None
@@ -145,9 +214,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
         gamma = ops.cast(self.gamma, compute_dtype) if self.scale else None
         beta = ops.cast(self.beta, compute_dtype) if self.center else None
         mean, variance = _compat.batch_moments(self, inputs, mask)
-        self._fold(inputs, mask, mean, variance)
+        if _backend.IS_TENSORFLOW:
+            self._fold(inputs, mask, mean, variance)
         if getattr(self, "renorm", False):  # Keras 3.14+
             gamma, beta = _compat.renorm_transform(self, mean, variance, gamma, beta, compute_dtype)
+        if not _backend.IS_TENSORFLOW:
+            # After the renorm correction read the renorm statistics: a
+            # window that ends here moves them after this micro-batch, as
+            # the optimizer's `apply` does on TensorFlow.
+            self._fold_and_count(inputs, mask, mean, variance, optimizer.steps)
         outputs = ops.batch_normalization(
             x=inputs,
             mean=mean,
@@ -161,16 +236,31 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     def _window_optimizer(self):
         """The accumulating optimizer whose windows this layer follows now
-        (registered to call `_end_window`), or None: Keras's behaviour."""
+        (on TensorFlow registered to call `_end_window`), or None: Keras's
+        behaviour."""
         if self._follows is not None:
             optimizer = self._follows()
-        else:
+        elif _backend.IS_TENSORFLOW:
             optimizer = getattr(_compat.calling_model(), "optimizer", None)
+        else:
+            optimizer = getattr(_compat.training_model(), "optimizer", None)
         while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             optimizer = optimizer.inner_optimizer
         if not isinstance(optimizer, base.AccumulationOptimizer):
             return None
-        optimizer.on_window_end(self._end_window)
+        self._followed = weakref.ref(optimizer)
+        if _backend.IS_TENSORFLOW:
+            optimizer.on_window_end(self._end_window)
+        elif isinstance(optimizer.steps, StepsSchedule) and not isinstance(
+            optimizer.steps, PiecewiseSteps
+        ):
+            raise ValueError(
+                "`keras_accum.layers.BatchNormalization` counts its windows itself "
+                f"under {_backend.BACKEND}, so it follows an integer `steps` or a "
+                "`PiecewiseSteps`, not a schedule that sizes windows from the "
+                "optimizer's state (TensorFlow runs that). "
+                f"Received: steps={optimizer.steps!r}"
+            )
         return optimizer
 
     def _fold(self, inputs, mask, mean, variance):
@@ -210,33 +300,149 @@ class BatchNormalization(keras.layers.BatchNormalization):
         mean = ops.cast(self.moving_mean, shifted.dtype) + shifted
         # A window this layer saw nothing of leaves its statistics alone.
         write = count > 0 if keep is None else tf.logical_and(count > 0, keep)
-        self._move_statistics(mean, variance, write)
+        optimizer = self._followed() if self._followed is not None else None
+        size = 1 if optimizer is None else optimizer.window_steps
+        self._move_statistics(mean, variance, write, self._momenta(size))
         for variable in sums:
             rest = tf.zeros(variable.shape, variable.dtype)
             if keep is not None:
                 rest = tf.where(keep, rest, _replicas.read_total(variable))
             _replicas.assign_total(variable, rest)
 
-    def _move_statistics(self, mean, variance, write):
+    def _fold_and_count(self, inputs, mask, mean, variance, steps):
+        """JAX and PyTorch, in the training call: this micro-batch into the
+        sums, the call counted, and where it ends the window (as the
+        optimizer bounds it, `keras_accum.window`) the moving statistics
+        moved and the sums restarted, each write a select (no branch)."""
+        dtype = self.window_sum.dtype
+        rank = len(inputs.shape)
+        axes = [a for a in range(rank) if a != self.axis % rank]
+        channels = self.window_sum.shape[0]
+        if mask is None:
+            count = ops.full((channels,), math.prod(inputs.shape) // channels, dtype=dtype)
+        else:  # the count Keras's masked moments divide by
+            weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
+            count = ops.sum(ops.cast(weights, dtype), axis=axes)
+        mean = ops.stop_gradient(ops.cast(mean, dtype))
+        variance = ops.stop_gradient(ops.cast(variance, dtype))
+        shifted = mean - ops.cast(self.moving_mean, dtype)  # mu_i - c
+        # S1 += n_i (mu_i - c); S2 += n_i (s_i^2 + (mu_i - c)^2); N += n_i
+        total_sum = ops.convert_to_tensor(self.window_sum) + count * shifted
+        total_square_sum = ops.convert_to_tensor(self.window_square_sum) + count * (
+            variance + shifted * shifted
+        )
+        total_count = ops.convert_to_tensor(self.window_count) + count
+        # The window's bounds, as `WindowMixin._start_window` and
+        # `_window_done` set the optimizer's: a schedule is read when a
+        # window starts, and its value holds until the window ends.
+        step = ops.convert_to_tensor(self.micro_step)
+        end = ops.convert_to_tensor(self.window_end)
+        start = ops.greater_equal(step, end)
+        fresh = steps(step) if isinstance(steps, StepsSchedule) else steps
+        size = ops.where(
+            start, ops.cast(fresh, _backend.INT), ops.convert_to_tensor(self.window_steps)
+        )
+        end = ops.where(start, step + size, end)
+        step = step + 1
+        done = ops.equal(step, end)
+        self.micro_step.assign(step)
+        self.window_steps.assign(size)
+        self.window_end.assign(end)
+        # At the window's end: mu - c = S1 / N; s^2 = S2 / N - (mu - c)^2.
+        seen = total_count > 0
+        safe = ops.where(seen, total_count, ops.ones_like(total_count))
+        shifted = ops.where(seen, total_sum / safe, ops.zeros_like(total_sum))
+        variance = ops.where(seen, total_square_sum / safe, ops.zeros_like(total_sum))
+        variance = ops.maximum(variance - ops.square(shifted), 0.0)
+        mean = ops.cast(self.moving_mean, shifted.dtype) + shifted
+        # A window this layer saw nothing of leaves its statistics alone.
+        write = ops.logical_and(seen, done)
+        momenta = self._momenta(steps if isinstance(steps, int) else size)
+        self._move_statistics(mean, variance, write, momenta)
+        for variable, total in [
+            (self.window_sum, total_sum),
+            (self.window_square_sum, total_square_sum),
+            (self.window_count, total_count),
+        ]:
+            variable.assign(ops.where(done, ops.zeros_like(total), total))
+
+    def _momenta(self, size):
+        """(momentum, renorm momentum or None) of one update that ends a
+        window of `size` micro-steps (an int, or an integer tensor under a
+        schedule): `momentum ** size` per micro-step, `momentum` per
+        update."""
+        momenta = [self.momentum, getattr(self, "renorm_momentum", None)]  # Keras 3.14+
+        if self.momentum_unit == "update":
+            return momenta
+        if isinstance(size, int):
+            return [None if m is None else m**size for m in momenta]
+        wide = _backend.wide_float()
+        size = ops.cast(size, wide)
+        return [None if m is None else ops.power(ops.cast(m, wide), size) for m in momenta]
+
+    def _move_statistics(self, mean, variance, write, momenta):
         """The moving statistics moved towards the window's `mean` and
         `variance` where `write` holds (per channel), as Keras's layer
-        moves them for one batch."""
-        moving = [self.moving_mean, self.moving_variance]
-        if getattr(self, "renorm", False):  # Keras 3.14+
-            moving += [self.moving_stddev, self.renorm_mean, self.renorm_stddev]
-        before = [tf.identity(tf.convert_to_tensor(v)) for v in moving]
-        if getattr(self, "renorm", False):  # Keras 3.14+
-            _compat.update_renorm_statistics(self, mean, variance)
+        moves them for one batch, with `momenta` (momentum, renorm
+        momentum) for this update."""
+        momentum, renorm_momentum = momenta
+
+        def mix(old, new, m):  # Keras's line: old * m + new * (1 - m)
+            m = m if isinstance(m, float) else ops.cast(m, new.dtype)
+            return old * m + new * (1.0 - m)
+
+        dtype = mean.dtype
+        moving_mean = ops.cast(self.moving_mean, dtype)
+        if getattr(self, "renorm", False):  # Keras 3.14+: its _update_renorm_statistics
+            stddev = ops.sqrt(variance + self.epsilon)
+            moving_stddev = mix(ops.cast(self.moving_stddev, dtype), stddev, momentum)
+            moved = [
+                (self.renorm_mean, mix(ops.cast(self.renorm_mean, dtype), mean, renorm_momentum)),
+                (
+                    self.renorm_stddev,
+                    mix(ops.cast(self.renorm_stddev, dtype), stddev, renorm_momentum),
+                ),
+                (self.moving_mean, mix(moving_mean, mean, momentum)),
+                (self.moving_stddev, moving_stddev),
+                (
+                    self.moving_variance,
+                    ops.relu(moving_stddev * moving_stddev - self.epsilon),
+                ),
+            ]
         else:  # Keras's lines, for the batch of the whole window
-            moving_mean = ops.cast(self.moving_mean, mean.dtype)
-            moving_variance = ops.cast(self.moving_variance, mean.dtype)
-            self.moving_mean.assign(moving_mean * self.momentum + mean * (1.0 - self.momentum))
-            self.moving_variance.assign(
-                moving_variance * self.momentum + variance * (1.0 - self.momentum)
-            )
-        for variable, old in zip(moving, before):
-            new = ops.cast(tf.convert_to_tensor(variable), old.dtype)
-            variable.assign(tf.where(write, new, old))
+            moving_variance = ops.cast(self.moving_variance, dtype)
+            moved = [
+                (self.moving_mean, mix(moving_mean, mean, momentum)),
+                (self.moving_variance, mix(moving_variance, variance, momentum)),
+            ]
+        for variable, new in moved:
+            old = ops.convert_to_tensor(variable)
+            variable.assign(ops.where(write, ops.cast(new, old.dtype), old))
+
+    def _counters(self):
+        """The window counters of JAX and PyTorch (none on TensorFlow)."""
+        names = ("micro_step", "window_steps", "window_end")
+        return [getattr(self, name) for name in names if hasattr(self, name)]
+
+    def load_own_variables(self, store):
+        # A file saved on another backend: TensorFlow saves no window
+        # counters (they load here at zero: the layer's next window starts
+        # at the next training call), JAX and PyTorch save three more
+        # (TensorFlow counts with the optimizer's and leaves them out).
+        own = self._trainable_variables + self._non_trainable_variables
+        counters = self._counters()
+        saved = len(store.keys())
+        if counters and saved == len(own) - len(counters):
+            for i, variable in enumerate(own[:saved]):
+                variable.assign(store[f"{i}"])
+            for variable in counters:
+                variable.assign(ops.zeros((), variable.dtype))
+            return
+        if not counters and saved == len(own) + 3:
+            for i, variable in enumerate(own):
+                variable.assign(store[f"{i}"])
+            return
+        super().load_own_variables(store)
 
 
 def attach(model: keras.Layer, optimizer: keras.optimizers.Optimizer | None) -> list:

@@ -203,6 +203,44 @@ def window_batch_norm(batches, sizes, momentum, mean, variance, masks=None):
     return mean, variance
 
 
+def window_batch_norm_state(batches, sizes, momentum, mean, variance, unit="update", masks=None):
+    """The whole state of `keras_accum.layers.BatchNormalization` after the
+    micro-batches `batches` in windows of `sizes[k]` micro-batches in turn
+    (the last one may be partial): (moving mean, moving variance, S1, S2, N)
+    with the sums of the window in progress around the shift c = moving
+    mean: S1 = sum n_i (mu_i - c), S2 = sum n_i (s_i^2 + (mu_i - c)^2),
+    N = sum n_i (per channel). A window of k micro-batches moves the
+    statistics with momentum m ** k (`unit="micro_step"`) or m
+    (`unit="update"`)."""
+    mean, variance = np.float64(mean), np.float64(variance)
+    masks = masks or [None] * len(batches)
+    channels = np.shape(batches[0])[-1]
+    i = 0
+    for size in sizes:
+        s1, s2, n = np.zeros(channels), np.zeros(channels), np.zeros(channels)
+        window = list(zip(batches[i : i + size], masks[i : i + size]))
+        for x, w in window:
+            x = np.asarray(x, np.float64).reshape(-1, channels)
+            w = np.ones(len(x)) if w is None else np.asarray(w, np.float64).reshape(-1)
+            n_i = w.sum()
+            mu_i = (w[:, None] * x).sum(0) / n_i
+            var_i = (w[:, None] * (x - mu_i) ** 2).sum(0) / n_i
+            s1, s2, n = s1 + n_i * (mu_i - mean), s2 + n_i * (var_i + (mu_i - mean) ** 2), n + n_i
+        i += size
+        if len(window) < size:  # the window in progress
+            return mean, variance, s1, s2, n
+        m = momentum**size if unit == "micro_step" else momentum
+        shifted = s1 / n
+        mean, variance = (
+            m * mean + (1 - m) * (mean + shifted),
+            m * variance + (1 - m) * (s2 / n - shifted**2),
+        )
+        if i == len(batches):
+            break
+    zeros = np.zeros(channels)
+    return mean, variance, zeros, zeros, zeros
+
+
 def adaptive_steps(estimates, floor, top, unit, s, settle, first, pow2=False):
     """(B_n, n, steps) after each estimate: a_n = s a + (1 - s) clip(b, 0,
     top x unit) over the non-nan estimates, B_n = a_n / (1 - s^n), and once

@@ -82,3 +82,63 @@ def test_saved_mid_window_loads_on_another_backend(name, other, tmp_path):
     assert int(theirs["iterations"]) == int(net.optimizer.iterations)
     for i, ours in enumerate(net.get_weights()):
         np.testing.assert_allclose(theirs[f"arr_{i}"], ours, rtol=1e-5, atol=1e-6)
+
+
+BATCH_NORM_CONTINUE = """
+import sys, numpy as np, keras, keras_accum
+x, y = np.load(sys.argv[2])["x"], np.load(sys.argv[2])["y"]
+model = keras.saving.load_model(sys.argv[1])
+model.fit(x[32:], y[32:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+counters = ("micro_step", "window_steps", "window_end")  # JAX's and PyTorch's only
+np.savez(sys.argv[3], *[keras.ops.convert_to_numpy(v) for v in model.weights
+                        if v.name not in counters])
+"""
+
+
+@pytest.mark.parametrize("other", OTHERS)
+def test_batch_norm_saved_at_a_window_end_loads_on_another_backend(other, tmp_path):
+    # Saved at a window's end, where TensorFlow's file (no counters) and
+    # JAX's or PyTorch's (three more) agree on the window; the continuation
+    # ends inside one (its sums compared too).
+    if importlib.util.find_spec(MODULES[other]) is None:
+        pytest.skip(f"{other} is not installed (.ci/backends installs it)")
+    rng = np.random.default_rng(0)
+    x = rng.normal(1.0, 2.0, size=(56, 6, 2)).astype("float32")
+    y = rng.normal(size=(56, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential(
+        [
+            keras.Input((6, 2)),
+            # No bias before the normalization: its gradient is rounding
+            # noise, which Adam would scale up differently on each backend.
+            keras.layers.Conv1D(3, 3, use_bias=False),
+            ka.layers.BatchNormalization(momentum=0.5),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ]
+    )
+    net.compile(optimizer=ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4), loss="mse")
+    net.fit(x[:32], y[:32], batch_size=4, epochs=1, shuffle=False, verbose=0)  # 2 windows
+    path, arrays, out = tmp_path / "bn.keras", tmp_path / "data.npz", tmp_path / "out.npz"
+    net.save(path)
+    np.savez(arrays, x=x, y=y)
+    env = dict(os.environ, KERAS_BACKEND=other, TF_CPP_MIN_LOG_LEVEL="2")
+    run = subprocess.run(
+        [sys.executable, "-c", BATCH_NORM_CONTINUE, str(path), str(arrays), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    net.fit(x[32:], y[32:], batch_size=4, epochs=1, shuffle=False, verbose=0)  # 6 more
+    ours = [
+        keras.ops.convert_to_numpy(v)
+        for v in net.weights
+        if v.name not in ("micro_step", "window_steps", "window_end")
+    ]
+    theirs = np.load(out)
+    assert len(theirs.files) == len(ours)
+    assert np.any(ours[-3] > 0)  # window_count (before the Dense layer's two): in a window
+    for i, mine in enumerate(ours):
+        np.testing.assert_allclose(theirs[f"arr_{i}"], mine, rtol=1e-5, atol=1e-5)

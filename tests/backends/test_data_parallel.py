@@ -1,7 +1,8 @@
 """`keras.distribution.DataParallel` on two JAX CPU devices: the optimizers
 see the global gradient, so `GradientAccumulation` equals the big batch;
 `InvariantAdam` then counts a window as `steps` micro-batches (one per
-step, not one per device) and says so."""
+step, not one per device) and says so; `layers.BatchNormalization`'s moving
+statistics are Keras's layer's at the global big batch."""
 
 import os
 import pathlib
@@ -207,3 +208,46 @@ def test_per_device_gradient_script_agrees_and_times_three_arms(tmp_path):
     assert result["max_disagreement"] < 1e-4
     assert set(result["ms_per_call"]) == {"keras_like", "shard_mean", "shard_both"}
     assert all(len(v) == 2 and min(v) > 0 for v in result["samples_ms"].values())
+
+
+BATCH_NORM = """
+import numpy as np, keras, keras_accum as ka
+assert len(keras.distribution.list_devices()) == 2
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+rng = np.random.default_rng(0)
+x = rng.normal(1.0, 2.0, size=(48, 6, 2)).astype("float32")
+y = rng.normal(size=(48, 1)).astype("float32")
+def fitted(layer, optimizer, batch_size):
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((6, 2)), keras.layers.Conv1D(3, 3), layer,
+                          keras.layers.Flatten(), keras.layers.Dense(1)])
+    m.compile(optimizer=optimizer, loss="mse")
+    m.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return m
+# Global micro-batches of 8 (4 per device), windows of 3: batches of 24.
+ours = fitted(ka.layers.BatchNormalization(momentum=0.5, momentum_unit="update"),
+              ka.GradientAccumulation(keras.optimizers.SGD(0.0), steps=3), 8)
+big = fitted(keras.layers.BatchNormalization(momentum=0.5), keras.optimizers.SGD(0.0), 24)
+a, b = ours.layers[1], big.layers[1]
+print("relative_difference", max(
+    float(np.max(np.abs(np.asarray(getattr(a, n).value) - np.asarray(getattr(b, n).value))
+                 / np.abs(np.asarray(getattr(b, n).value))))
+    for n in ("moving_mean", "moving_variance")))
+print("micro_steps", int(a.micro_step.value), int(ours.optimizer.micro_step.value))
+"""
+
+
+def test_batch_norm_two_devices_is_keras_at_the_global_big_batch():
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="jax",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", BATCH_NORM], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert float(lines["relative_difference"]) < 1e-5, out.stdout
+    assert lines["micro_steps"] == "6 6", out.stdout

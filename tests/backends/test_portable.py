@@ -327,9 +327,8 @@ def test_fit_under_deprecation_warnings_as_errors(make):
     "call",
     [
         lambda: ka.rematerialize(model(), "full"),
-        lambda: ka.layers.BatchNormalization(),
     ],
-    ids=["rematerialize", "batch_norm"],
+    ids=["rematerialize"],
 )
 def test_tensorflow_only_features_say_so(call):
     with pytest.raises(RuntimeError, match=f"TensorFlow backend.*{BACKEND}"):
