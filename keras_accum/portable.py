@@ -15,8 +15,7 @@ returns, as Keras's `LossScaleOptimizer` does; under PyTorch in an eager
 `if`.
 
 What TensorFlow alone offers (`tf.distribute`, sparse `IndexedSlices`
-gradients, XLA's resource kernels, the batch-norm layer, `rematerialize`,
-the custom loop) is refused here in one
+gradients, XLA's resource kernels, the custom loop) is refused here in one
 line naming the backend. `AdaptiveSteps` is `keras.ops` and runs here.
 """
 
