@@ -27,21 +27,32 @@ Which layers: the outermost model is not wrapped (recomputing the whole
 forward pass once more would save nothing beyond the per-layer
 recomputation); a nested Sequential or Functional model counts as its
 layers, a nested subclassed model as one layer. An `Embedding` is never
-wrapped: its gradient is sparse (`tf.IndexedSlices`, one row per token
-seen), `tf.recompute_grad` would return it dense (every row, and Adam would
-then move rows no token touched), and a lookup keeps nothing that
-recomputing it would free. Nor is a layer that draws random numbers
-(Dropout with rate > 0, or a layer holding one): its recomputation would
-draw new ones. Nor is a `BatchNormalization`: its training call moves its
-moving statistics, and the recomputation would move them a second time.
+wrapped: its gradient is sparse on TensorFlow (`tf.IndexedSlices`, one
+row per token seen), `tf.recompute_grad` would return it dense (every row,
+and Adam would then move rows no token touched), and on every backend a
+lookup keeps nothing that recomputing it would free. Nor is a layer that
+draws random numbers (Dropout with rate > 0, or a layer holding one): its
+recomputation would draw new ones. Nor is a `BatchNormalization`: its
+training call moves its moving statistics, and the recomputation would
+move them a second time. Nor is a layer with an `activity_regularizer`
+(or holding one): its loss would be computed inside the recomputed
+function, where TensorFlow drops its gradient and JAX leaks a tracer; a
+layer that calls `add_loss` itself is not detected, wrap it yourself only
+if it does not.
 
-Why not Keras's own: on the TensorFlow backend `keras.RematScope` and
-`keras.remat` are `tf.recompute_grad`, which in a `tf.function` refuses
-keyword arguments, and Keras calls every layer with `training=...`: a model
+Backends: the recomputation is Keras's own on JAX and PyTorch,
+`keras.remat` (`jax.checkpoint`, and `torch.utils.checkpoint` without
+reentrance; Keras >= 3.9, older Keras is refused there in one line), and
+on TensorFlow `tf.recompute_grad`, which is what `keras.remat` is there
+(and runs on every Keras this package supports). Why not `keras.RematScope`:
+it decides when a layer is created, not for a model already built; and on
+TensorFlow `tf.recompute_grad` in a `tf.function` refuses keyword
+arguments, while Keras calls every layer with `training=...`: a model
 built under `keras.RematScope` cannot train in graph mode or under XLA
 (keras-team/keras#21207). `Rematerialized` passes the tensors among the
-call's arguments to `tf.recompute_grad` positionally and binds the others
-around it (`recompute_grad`).
+call's arguments to the recomputed function positionally and binds the
+others around it (`recompute_grad`): on JAX that also keeps `training`
+and masks out of `jax.checkpoint`'s traced arguments.
 
 Saving: a rematerialized model's `.keras` file holds its `Rematerialized`
 layers (registered as "keras_accum>Rematerialized"): `import keras_accum`
@@ -70,6 +81,8 @@ from keras_accum._backend import tf
 from keras_accum.validation import check_choice
 
 MODES = ("none", "full", "larger_than")
+# The first Keras with `keras.remat` (JAX's and PyTorch's recomputation).
+KERAS_REMAT = "3.9.0"
 
 
 def check_mode(mode: str) -> str:
@@ -96,7 +109,8 @@ class Rematerialized(keras.layers.Wrapper):
     Args:
         layer: the layer to recompute: not one that draws random numbers
             (its recomputation would draw new ones) nor an `Embedding` (its
-            sparse gradient would come back dense).
+            sparse gradient would come back dense); one with an
+            `activity_regularizer` is refused.
         **kwargs: `keras.layers.Layer` arguments; `name`, `dtype` and
             `trainable` default to `layer`'s.
     """
@@ -106,6 +120,13 @@ class Rematerialized(keras.layers.Wrapper):
             kwargs.setdefault("name", layer.name)
             kwargs.setdefault("dtype", layer.dtype_policy)
             kwargs.setdefault("trainable", layer.trainable)
+        _require_recomputation("`Rematerialized`")
+        if _adds_activity_loss(layer):
+            raise ValueError(
+                "`Rematerialized` cannot recompute a layer with an `activity_regularizer` (its "
+                "loss would be computed inside the recomputation): leave it unwrapped. "
+                f"Received: layer={getattr(layer, 'name', layer)!r}"
+            )
         super().__init__(layer, **kwargs)
         self.supports_masking = layer.supports_masking
 
@@ -155,7 +176,20 @@ class Rematerialized(keras.layers.Wrapper):
 def _all_tensors(value):
     """True for a tensor or a non-empty structure of tensors (and None)."""
     flat = keras.tree.flatten(value)
-    return any(tf.is_tensor(x) for x in flat) and all(x is None or tf.is_tensor(x) for x in flat)
+    is_tensor = keras.ops.is_tensor
+    return any(is_tensor(x) for x in flat) and all(x is None or is_tensor(x) for x in flat)
+
+
+def _require_recomputation(feature):
+    """Raises, in one line, under JAX or PyTorch with a Keras older than
+    `KERAS_REMAT` (no `keras.remat`); TensorFlow's route needs none."""
+    if _backend.IS_TENSORFLOW or hasattr(keras, "remat"):
+        return
+    raise RuntimeError(
+        f"{feature} on {_backend.BACKEND} needs Keras >= {KERAS_REMAT} (`keras.remat`); "
+        f"Keras {keras.__version__} is installed (pip install 'keras>={KERAS_REMAT}', or "
+        "use KERAS_BACKEND=tensorflow)"
+    )
 
 
 def rematerialize(model: keras.Model, mode: str, output_size_threshold: int = 1024):
@@ -177,7 +211,6 @@ def rematerialize(model: keras.Model, mode: str, output_size_threshold: int = 10
         name and the shapes of its inputs and outputs, compiled like `model`
         if it is compiled.
     """
-    _backend.require_tensorflow("`rematerialize`")
     check_mode(mode)
     if not _is_graph_model(model):
         raise ValueError(
@@ -257,13 +290,24 @@ def _may_recompute(layer):
     """False for what is never wrapped: an operation that is not a layer
     (`x + y` in a Functional model), `InputLayer`, `Embedding`,
     `BatchNormalization` (a recomputation would move its moving statistics
-    twice) and a layer that draws random numbers."""
+    twice), a layer that draws random numbers and one with an activity
+    regularizer."""
     if not isinstance(layer, keras.layers.Layer):
         return False
     never = (keras.layers.Embedding, keras.layers.InputLayer, keras.layers.BatchNormalization)
     if isinstance(layer, never):
         return False
-    return not _draws_random_numbers(layer)
+    return not _draws_random_numbers(layer) and not _adds_activity_loss(layer)
+
+
+def _adds_activity_loss(layer):
+    """True if `layer` or a layer inside it has an `activity_regularizer`:
+    Keras's `__call__` adds its loss, which inside the recomputed function
+    would lose its gradient (TensorFlow) or leak a tracer (JAX)."""
+    if not isinstance(layer, keras.layers.Layer):
+        return False
+    inner = [layer, *_compat.all_layers(layer)]
+    return any(getattr(sub, "activity_regularizer", None) is not None for sub in inner)
 
 
 def _draws_random_numbers(layer):
@@ -287,33 +331,41 @@ def _output_size(layer):
 
 
 def recompute_grad(f):
-    """`tf.recompute_grad(f)` that accepts keyword arguments in graph mode.
+    """`f` recomputed in the backward pass, keyword arguments accepted.
 
-    The float tensors among the arguments (positional or keyword, nested
-    or not) are passed to `tf.recompute_grad` positionally, so gradients
-    reach all of them; the other arguments (`training=True`,
-    `use_causal_mask=True`, a boolean mask, token ids: its backward pass
-    adds a float to each input) are bound around it. Give it a layer
-    rather than its `call`: the
-    layer's `__call__` opens its mixed-precision autocast scope again when
-    the backward pass recomputes it.
+    The recomputation is `tf.recompute_grad` on TensorFlow and `keras.remat`
+    on JAX and PyTorch (`jax.checkpoint`, `torch.utils.checkpoint`). The
+    float tensors among the arguments (positional or keyword, nested or
+    not) are passed to it positionally, so gradients reach all of them;
+    the other arguments (`training=True`, `use_causal_mask=True`, a boolean
+    mask, token ids: TensorFlow's backward pass adds a float to each input,
+    and `jax.checkpoint` would trace a Python bool) are bound around it.
+    Give it a layer rather than its `call`: the layer's `__call__` opens its
+    mixed-precision autocast scope again when the backward pass recomputes
+    it.
     """
+    checkpoint = tf.recompute_grad if _backend.IS_TENSORFLOW else keras.remat
+    nest = tf.nest if _backend.IS_TENSORFLOW else keras.tree
 
     def call(*args, **kwargs):
-        flat = tf.nest.flatten((args, kwargs))
+        flat = nest.flatten((args, kwargs))
         where = [i for i, value in enumerate(flat) if _differentiable(value)]
 
         def positional(*tensors):
             values = list(flat)
             for i, tensor in zip(where, tensors):
                 values[i] = tensor
-            inner_args, inner_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
+            inner_args, inner_kwargs = nest.pack_sequence_as((args, kwargs), values)
             return f(*inner_args, **inner_kwargs)
 
-        return tf.recompute_grad(positional)(*(flat[i] for i in where))
+        return checkpoint(positional)(*(flat[i] for i in where))
 
     return call
 
 
 def _differentiable(value):
-    return tf.is_tensor(value) and (value.dtype.is_floating or value.dtype.is_complex)
+    """A float or complex tensor."""
+    if not keras.ops.is_tensor(value):
+        return False
+    dtype = keras.backend.standardize_dtype(value.dtype)
+    return "float" in dtype or "complex" in dtype

@@ -322,19 +322,6 @@ def test_fit_under_deprecation_warnings_as_errors(make):
 # -- what each backend refuses --------------------------------------------------------
 
 
-@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow runs these")
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda: ka.rematerialize(model(), "full"),
-    ],
-    ids=["rematerialize"],
-)
-def test_tensorflow_only_features_say_so(call):
-    with pytest.raises(RuntimeError, match=f"TensorFlow backend.*{BACKEND}"):
-        call()
-
-
 @pytest.mark.skipif(BACKEND != "jax", reason="a compiled JAX step cannot raise")
 def test_raise_policy_refused_under_jax():
     opt = ka.InvariantAdam(0.01, steps=2, nonfinite="raise")
@@ -345,8 +332,9 @@ def test_raise_policy_refused_under_jax():
 
 def test_no_tensorflow_imported():
     """Training with the three optimizers, the schedules (`AdaptiveSteps`
-    fed by the noise scale included), the scaling rules and the diagnostics
-    imports no TensorFlow under JAX or PyTorch (run in a fresh process)."""
+    fed by the noise scale included), the scaling rules, the diagnostics
+    and `rematerialize` imports no TensorFlow under JAX or PyTorch (run in
+    a fresh process)."""
     if BACKEND == "tensorflow":
         pytest.skip("TensorFlow is the backend")
     import subprocess
@@ -372,6 +360,12 @@ for opt in [ka.GradientAccumulation(keras.optimizers.Adam(), steps=2),
     feed = [Feed()] if isinstance(opt.steps, ka.AdaptiveSteps) else []
     m.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[probe] + feed)
     assert np.isfinite(float(probe.tracker.b_simple))
+light = ka.rematerialize(
+    keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, "gelu"), keras.layers.Dense(1)]),
+    "full")
+light.compile(optimizer=ka.InvariantAdam(steps=2), loss="mse")
+light.fit(x, y, batch_size=4, verbose=0)
+assert ka.remat.mode_of(light) == "full"
 tracker = opt.steps.noise_tracker()
 tracker.update_from_micro_grads([[keras.ops.ones((3, 1))], [keras.ops.zeros((3, 1))]], 4)
 print(opt.steps.decisions[-1], float(tracker.b_simple))
