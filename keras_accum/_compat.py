@@ -284,6 +284,14 @@ def renorm_transform(layer, mean, variance, gamma, beta, dtype):
     return layer._compose_transforms(r, d, gamma, beta, dtype)
 
 
+def layer_own_variables(layer):
+    """The variables a layer saves itself, in the order
+    `Layer.save_own_variables` writes them (trainable, then non-trainable,
+    its sub-layers' left out): `layers.BatchNormalization` loads files of
+    another backend with more or fewer counters. Checked on Keras 3.8-3.15."""
+    return layer._trainable_variables + layer._non_trainable_variables
+
+
 def all_layers(layer):
     """Every layer inside `layer`, nested ones included, not itself."""
     # Layer._flatten_layers(include_self, recursive); checked: Keras 3.15.1.

@@ -429,7 +429,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         # counters (they load here at zero: the layer's next window starts
         # at the next training call), JAX and PyTorch save three more
         # (TensorFlow counts with the optimizer's and leaves them out).
-        own = self._trainable_variables + self._non_trainable_variables
+        own = _compat.layer_own_variables(self)
         counters = self._counters()
         saved = len(store.keys())
         if counters and saved == len(own) - len(counters):
