@@ -80,13 +80,14 @@ def rows(data, start, stop):
     return {k: v[part] for k, v in x.items()}, y[part], weight[part]
 
 
-def fit(model, data, batch_size=MICRO, callbacks=()):
+def fit(model, data, batch_size=MICRO, callbacks=(), epochs=1):
     x, y, weight = data
     return model.fit(
         x,
         y,
         sample_weight=weight,
         batch_size=batch_size,
+        epochs=epochs,
         shuffle=False,
         verbose=0,
         callbacks=list(callbacks),
@@ -250,6 +251,45 @@ def test_restart_mid_window_continues_the_run_exactly(tmp_path):
 
     assert int(resumed.optimizer.iterations) == int(run.optimizer.iterations) == 2
     for a, b, variable in zip(numpy(resumed.variables), numpy(run.variables), run.variables):
+        np.testing.assert_array_equal(a, b, err_msg=variable.path)
+    for a, b, variable in zip(
+        numpy(resumed.optimizer.variables),
+        numpy(run.optimizer.variables),
+        run.optimizer.variables,
+    ):
+        np.testing.assert_array_equal(a, b, err_msg=variable.path)
+
+
+def test_full_fine_tune_resumes_with_backup_and_restore(tmp_path):
+    """Without LoRA, Keras's own files keep the window: `BackupAndRestore`
+    backs up at the end of epoch 1 (3 micro-batches in windows of 2, one
+    held); a fit stopped as epoch 2 begins and started again with new objects
+    ends as the uninterrupted one."""
+
+    def compiled():
+        model = causal_lm(lora=False)
+        model.compile(optimizer=ka.GradientAccumulation(keras.optimizers.Adam(LR), steps=2))
+        return model
+
+    class Stop(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("stopped")
+
+    data = token_data(3 * MICRO)
+    run = compiled()
+    fit(run, data, epochs=2)
+    backup = os.path.join(tmp_path, "backup")
+    stopped = compiled()
+    with pytest.raises(RuntimeError, match="stopped"):
+        fit(stopped, data, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(backup), Stop()])
+    assert int(stopped.optimizer.micro_step) == 3
+    resumed = compiled()
+    fit(resumed, data, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(backup)])
+
+    assert int(resumed.optimizer.micro_step) == 6
+    assert int(resumed.optimizer.iterations) == int(run.optimizer.iterations) == 3
+    for a, b, variable in zip(numpy(resumed.weights), numpy(run.weights), run.weights):
         np.testing.assert_array_equal(a, b, err_msg=variable.path)
     for a, b, variable in zip(
         numpy(resumed.optimizer.variables),
