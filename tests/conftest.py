@@ -125,6 +125,14 @@ SLOW_CASES = {
         "test_mirrored_fit_equals_one_device[gradient_accumulation_clipped]",
         "test_mirrored_fit_equals_one_device[invariant_adam]",
     },
+    # Two or three GPT-2 fits each (30-60 s each on a loaded 2-core machine);
+    # the one-fit Adam-variant tests stay in the fast tier.
+    "test_keras_hub.py": {
+        "test_gradient_accumulation_equals_the_big_batch",
+        "test_token_weighted_windows_equal_the_big_batch",
+        "test_restart_mid_window_continues_the_run_exactly",
+        "test_full_fine_tune_resumes_with_backup_and_restore",
+    },
     "test_language_model.py": {
         "test_fit_mixed_float16_with_global_clipnorm",
         "test_fit_two_replicas_equals_the_big_batch",

@@ -3,6 +3,7 @@ runs, and the numbers the README repeats agree with the files they come
 from. The Sphinx build (`.ci/run`) checks that every public name has a
 page; here, without Sphinx, that every public name has a docstring."""
 
+import importlib.util
 import os
 import re
 import statistics
@@ -22,6 +23,7 @@ MAIN_COMMAND = (
     "python3 -m pip install -q -e '.[experiments]' && "
     "python3 scripts/train.py --config saved_configs/mnist1d_cnn_invariant.py"
 )
+HUB_GUIDE = os.path.join("docs", "guides", "keras_hub.md")
 TEST_COMMAND = "python3 -m pip install -q -e '.[test]' && python3 -m pytest -q"
 
 
@@ -31,8 +33,10 @@ def _read(*parts):
 
 
 def _runnable_blocks(text):
-    """The ```python blocks marked `<!-- runnable -->` on the line before."""
-    return re.findall(r"<!-- runnable -->\n```python\n(.*?)```", text, re.S)
+    """The ```python blocks marked `<!-- runnable -->` on the line before, as
+    (module, code): `<!-- runnable needs=keras_hub -->` names a module of an
+    optional extra without which the block is skipped (module "" if none)."""
+    return re.findall(r"<!-- runnable(?: needs=([\w.]+))? -->\n```python\n(.*?)```", text, re.S)
 
 
 def _checked(text, name):
@@ -57,11 +61,25 @@ def test_runnable_blocks_run(page, capsys):
     blocks = _runnable_blocks(_read(page))
     if page == "README.md":
         assert blocks, "the README's ten-line example lost its runnable marker"
-    for block in blocks:
+    if page == HUB_GUIDE:
+        assert [needs for needs, _ in blocks] == ["keras_hub"], "the keras-hub example's marker"
+    for needs, block in blocks:
+        if needs and importlib.util.find_spec(needs) is None:
+            pytest.skip(f"{page}: its example needs {needs}, not installed (see its page)")
         exec(compile(block, f"{page} (runnable block)", "exec"), {"__name__": "__doc__"})
     if page == "README.md":
         # The example's comment says 8 updates.
         assert capsys.readouterr().out.strip().endswith("8 updates")
+    if page == HUB_GUIDE:
+        # Its comments: 5 micro-batches restored, 2 updates at the end.
+        out = capsys.readouterr().out
+        assert "\n5 micro-batches\n" in out and out.strip().endswith("2 updates")
+
+
+def test_hub_guide_names_the_hub_extras_keras_hub():
+    pin = re.search(r"^\s+keras-hub==(\d+\.\d+)\.\*$", _read("setup.cfg"), re.M).group(1)
+    named = re.findall(r"keras-hub (\d+\.\d+)", _read(HUB_GUIDE))
+    assert named and set(named) == {pin}
 
 
 def test_readme_pitfall_count_is_the_number_of_rows_of_pitfalls():
