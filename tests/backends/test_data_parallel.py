@@ -238,16 +238,7 @@ print("micro_steps", int(a.micro_step.value), int(ours.optimizer.micro_step.valu
 
 
 def test_batch_norm_two_devices_is_keras_at_the_global_big_batch():
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="jax",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", BATCH_NORM], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run_file(["-c", BATCH_NORM], timeout=600)
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert float(lines["relative_difference"]) < 1e-5, out.stdout
     assert lines["micro_steps"] == "6 6", out.stdout
