@@ -292,6 +292,15 @@ def layer_own_variables(layer):
     return layer._trainable_variables + layer._non_trainable_variables
 
 
+def in_stateless_scope():
+    """True inside a `keras.StatelessScope` (`stateless_apply`), where a
+    variable's writes must go to the scope, not to its tensor in place
+    (`keras_accum.kernels`). Checked on Keras 3.8-3.15."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as inside
+
+    return inside()
+
+
 def all_layers(layer):
     """Every layer inside `layer`, nested ones included, not itself."""
     # Layer._flatten_layers(include_self, recursive); checked: Keras 3.15.1.

@@ -19,12 +19,18 @@ import numbers
 
 from keras import ops
 
-from keras_accum import _backend, equations
+from keras_accum import _backend, _compat, equations
 
 IN_PLACE = _backend.BACKEND == "torch"
 
 if IN_PLACE:
     import torch
+
+
+def _in_place():
+    """PyTorch, outside a `keras.StatelessScope` (whose writes go to the
+    scope: `stateless_apply` must leave the variables as they are)."""
+    return IN_PLACE and not _compat.in_stateless_scope()
 
 
 def _is_number(x):
@@ -48,7 +54,7 @@ def adam_moments(momentums, velocities, grads, rate_1, rate_2, keep=True):
 
     In place under PyTorch as Keras's PyTorch Adam writes it: m = m beta_1 +
     g (1 - beta_1) (equal to rounding)."""
-    if IN_PLACE and keep is True and _is_number(rate_1) and _is_number(rate_2):
+    if _in_place() and keep is True and _is_number(rate_1) and _is_number(rate_2):
         with torch.no_grad():
             m, v = _values(momentums), _values(velocities)
             torch._foreach_mul_(m, 1 - rate_1)
@@ -70,7 +76,7 @@ def decayed_moments(momentums, velocities, grads, keep, take):
     `take` are pairs of scalars; a keep of exactly 1 (inside a window,
     PyTorch) skips the multiply."""
     (keep_1, keep_2), (take_1, take_2) = keep, take
-    if IN_PLACE and all(_is_number(x) for x in (keep_1, keep_2, take_1, take_2)):
+    if _in_place() and all(_is_number(x) for x in (keep_1, keep_2, take_1, take_2)):
         with torch.no_grad():
             m, v = _values(momentums), _values(velocities)
             if keep_1 != 1.0:
@@ -90,7 +96,7 @@ def decayed_moments(momentums, velocities, grads, keep, take):
 def adam_steps(momentums, velocities, alphas, epsilon):
     """[alpha m / (sqrt(v) + epsilon)] for each variable (`alphas`: one
     scalar per variable, in its dtype)."""
-    if IN_PLACE:
+    if _in_place():
         with torch.no_grad():
             m, v = _values(momentums), _values(velocities)
             denominators = torch._foreach_add(torch._foreach_sqrt(v), epsilon)
@@ -108,7 +114,7 @@ def adam_steps(momentums, velocities, alphas, epsilon):
 def window_sums(totals, values, start):
     """S = value at the window's start, else S + value, for each pair
     (`equations.window_sum`)."""
-    if IN_PLACE and isinstance(start, bool):
+    if _in_place() and isinstance(start, bool):
         with torch.no_grad():
             targets = _values(totals)
             if start:
@@ -122,7 +128,7 @@ def window_sums(totals, values, start):
 
 def subtract(variables, deltas, keep=True):
     """theta = theta - delta for each variable, where `keep` holds."""
-    if IN_PLACE and keep is True:
+    if _in_place() and keep is True:
         with torch.no_grad():
             torch._foreach_sub_(_values(variables), deltas)
         return

@@ -551,3 +551,42 @@ def test_mixed_float16_fit_under_the_loss_scale_optimizer(make):
     assert 12 <= micro_steps <= 16
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == micro_steps // 4
     assert np.isfinite(history.history["loss"][-1])
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="Keras's TF optimizer has no stateless_apply")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.1), steps=2),
+        lambda: ka.UpdateAccumulationAdam(0.1, steps=2),
+        lambda: ka.InvariantAdam(0.1, steps=2),
+    ],
+    ids=["ga", "ua", "ia"],
+)
+def test_stateless_apply_writes_nothing_and_equals_apply(make, request):
+    """`stateless_apply` returns the new values and leaves every variable
+    as it was (PyTorch's in-place folds must not write through a
+    `StatelessScope`); its values equal `apply`'s."""
+    if BACKEND == "torch" and request.node.callspec.id == "ga":
+        pytest.skip(
+            "Keras's own PyTorch Adam writes its slots and the weights in place "
+            "in stateless_apply (Keras 3.15.1): the inner optimizer of GA does"
+        )
+    params, twins = variables(), variables()
+    optimizer, twin = make(), make()
+    optimizer.build(params)
+    twin.build(twins)
+    state = [keras.ops.convert_to_numpy(v).copy() for v in optimizer.variables + params]
+    optimizer_values = [v.value for v in optimizer.variables]
+    trainable_values = [p.value for p in params]
+    for grads in gradient_stream(4):
+        grads = [keras.ops.convert_to_tensor(g) for g in grads]
+        trainable_values, optimizer_values = optimizer.stateless_apply(
+            optimizer_values, grads, trainable_values
+        )
+        twin.apply(grads, twins)
+    for before, variable in zip(state, optimizer.variables + params):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), before)
+    assert_close(
+        [keras.ops.convert_to_numpy(v) for v in trainable_values], [t.numpy() for t in twins]
+    )
