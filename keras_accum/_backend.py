@@ -39,6 +39,14 @@ else:
     tf = _TensorFlowOnly("tf", (), {})
 
 
+def scalar_int(value):
+    """A scalar variable's value as an int, eagerly. Not through
+    convert_to_numpy: NumPy 2 deprecates Keras's `Variable.__array__` (no
+    `copy` argument), so under `-W error` every `fit` failed. Under
+    TensorFlow the value may be a MirroredVariable, which int() refuses."""
+    return int(tf.convert_to_tensor(value) if IS_TENSORFLOW else value)
+
+
 def require_tensorflow(feature):
     """Raises, in one line, when `feature` runs under another backend."""
     if not IS_TENSORFLOW:

@@ -3,7 +3,7 @@
 Pure functions of tensors and scalars: no variable, no branch, no backend.
 Under TensorFlow `keras_accum.folds` runs them inside its compiled kernels
 (on resource handles, per replica); under JAX and PyTorch
-`keras_accum.portable` runs them on the optimizer's variables. One window
+`keras_accum.drivers.portable` runs them on the optimizer's variables. One window
 of kappa micro-batches g_1 .. g_kappa (ALGORITHMS.md):
 
 * `GradientAccumulation`: `window_sum` (S and W) per micro-batch; at the

@@ -5,26 +5,11 @@ from typing import Any
 
 from keras import ops, optimizers, saving
 
-from keras_accum import (
-    _backend,
-    _compat,
-    _execution,
-    _replicas,
-    _tensors,
-    base,
-    equations,
-    folds,
-    kernels,
-    nonfinite,
-    portable,
-    schedules,
-    weighing,
-)
-from keras_accum._backend import tf
+from keras_accum import _compat, base, drivers, equations, kernels, schedules, weighing
 
 
 @saving.register_keras_serializable(package="keras_accum")
-class GradientAccumulation(base.AccumulationOptimizer):
+class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOptimizer):
     r"""Averages micro-batch gradients over a window, then steps `optimizer`.
 
     For a window of micro-batches j with gradients g_j and weights w_j
@@ -79,7 +64,8 @@ class GradientAccumulation(base.AccumulationOptimizer):
         name: optimizer name.
     """
 
-    _checks_window_sums = True  # "skip_window": see `_read_window`
+    _checks_window_sums = True  # "skip_window": the window's sums are checked at its end
+    _steps_inner = True  # the inner optimizer counts, averages and constrains
     takes_weights = True
 
     def __init__(
@@ -121,10 +107,8 @@ class GradientAccumulation(base.AccumulationOptimizer):
         """The replica-local item count `weigh_micro_batches` writes under
         `model.fit` and `apply` reads when it is given no `weight` (created
         on first call, under this optimizer's strategy)."""
-        if self._fit_items is None and not _backend.IS_TENSORFLOW:
-            self._fit_items = weighing.FitItems()
         if self._fit_items is None:
-            with _compat.optimizer_strategy(self).scope():
+            with self._creation_scope():  # the strategy's, under TensorFlow
                 self._fit_items = weighing.FitItems()
         return self._fit_items
 
@@ -198,145 +182,12 @@ class GradientAccumulation(base.AccumulationOptimizer):
         self._warn_pending_window()
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def _fold(self, grads, variables, weight, start):
-        # Replica context, replica-local state only: no communication.
-        accumulators = self._accumulators_of(variables)
-        scale, share = self._weights(weight)
-        # A large Embedding's gradient stays sparse (`tf.IndexedSlices`): it
-        # is added to S_r row by row, never made parameter-sized.
-        grads = [_tensors.sparse_or_dense(g, v) for g, v in zip(grads, variables)]
-        grads = [_tensors.map_values(lambda x: tf.cast(x, "float32"), g) for g in grads]
-        xla = _execution.in_xla()
-        if self.nonfinite == "skip_window":
-            ok = None  # graph mode: the window's sums are checked at its end
-            if xla:
-                # Under XLA the check fuses into the fold; a bad micro-batch
-                # adds zeros to S_r (kept finite) and NaN to W_r, which the
-                # window's end then reads as "drop" (a scalar, no read of S_r).
-                finite = nonfinite.all_finite(grads)
-                keep = lambda x: tf.where(finite, x, tf.zeros((), x.dtype))
-                grads = [_tensors.map_values(keep, g) for g in grads]
-                share = tf.where(finite, share, tf.constant(float("nan"), "float32"))
-        else:
-            grads, ok = self._screen(grads, mask=xla)
-            if ok is not None and xla:
-                # A skipped micro-batch (zeroed by `_screen`) adds no weight.
-                share = share * tf.cast(ok, "float32")
-        if scale is not None:
-            grads = [_tensors.map_values(lambda x: scale * x, g) for g in grads]
-
-        def fold(start, ok):
-            # S_r = w g at the window's start, else S_r + w g; W_r likewise
-            # with w. A skipped micro-batch (ok False) adds nothing, and
-            # leaves S_r = 0, W_r = 0 at the window's start.
-            for a, wg in zip(accumulators, grads):
-                folds.window_sum(a, wg if ok else None, start)
-            folds.window_sum(self._weight, share if ok else None, start)
-
-        _execution.by_condition(fold, start, None if xla else ok)
-
-    def _weights(self, weight):
-        """(scale of g, share of W_r) for this replica: w g is this
-        replica's summed-loss gradient (scale None for w = 1), and the
-        shares of the replicas sum to the micro-batch's weight."""
-        replicas = _replicas.count()
-        if isinstance(weight, weighing.ReplicaItems):
-            # g = (mean gradient over this replica's n items) / replicas, so
-            # its summed-loss gradient is n * replicas * g; W counts items.
-            # n = UNSET (no count recorded this step: the model was compiled
-            # again without weighing) counts the micro-batch as one; n = 0
-            # (every item weighs zero) adds nothing.
-            items = tf.cast(weight.items, "float32")
-            recorded = items >= 0.0
-            return (
-                tf.where(recorded, items * replicas, 1.0),
-                tf.where(recorded, items, 1.0 / replicas),
-            )
-        # g is this replica's share of the global mean over `weight` items,
-        # so weight * g is its summed-loss gradient. W_r gets an equal share.
-        scale = tf.cast(weight, "float32")
-        unit = isinstance(weight, float) and weight == 1.0
-        return None if unit else scale, scale / replicas
-
-    def _read_window(self, variables):
-        """((W,), ok): W summed over replicas; whether the window may be
-        applied, under each policy."""
-        if self.nonfinite != "skip_window":
-            total_weight = _replicas.read_total(self._weight)
-            if self.nonfinite == "skip_micro_batch":
-                # Every micro-batch of the window skipped: nothing to apply.
-                return (total_weight,), total_weight > 0.0
-            return (total_weight,), None
-        if _execution.in_xla():
-            total_weight = _replicas.read_total(self._weight)
-            # Under XLA a bad micro-batch made W NaN (`_fold`).
-            return (total_weight,), tf.math.is_finite(total_weight)
-        # Graph mode: NaN and Inf propagate into the window's sums, so one
-        # check of each S_r per window (in the window end's branch) replaces
-        # a check of every micro-batch, reduced with W in the window's one
-        # scalar reduction.
-        accumulators = self._accumulators_of(variables)
-
-        def local():  # (W_r, 1.0 where S_r holds a NaN or an Inf)
-            finite = nonfinite.all_finite([a.value for a in accumulators])
-            return tf.stack([self._weight.value, 1.0 - tf.cast(finite, "float32")])
-
-        totals = _replicas.sum_scalars(_replicas.for_each_replica(local))
-        return (totals[0],), tf.equal(totals[1], 0.0)
-
-    def _drop_window(self, variables, dropped=None):
-        if self.nonfinite != "skip_window":
-            return  # the sums are finite: bad micro-batches never entered
-        accumulators = self._accumulators_of(variables)
-
-        def reset():  # no NaN left behind (the next window overwrites them)
-            if not _execution.in_xla():  # the drop branch of a `cond`: S_r may hold NaN
-                for a in accumulators + [self._weight]:
-                    folds.window_sum(a, None, True)
-            elif dropped is None:  # XLA, a `cond` (replicas): S_r stayed finite
-                self._weight.assign(0.0)
-            else:  # XLA, every micro-step: W_r is NaN after a bad micro-batch
-                self._weight.assign(tf.where(dropped, 0.0, self._weight.value))
-
-        _replicas.for_each_replica(reset)
-
     def _accumulators_of(self, variables):
         return [self._accumulators[_compat.variable_index(self, v)] for v in variables]
 
-    def _update(self, variables, window, writes):
-        (total_weight,) = window
-        # W = 0 only when every item of the window weighs zero: then S = 0
-        # too, and the big batch's mean gradient is 0 (Keras divides its
-        # loss with `divide_no_nan`), not 0 / 0.
-        total_weight = tf.where(tf.equal(total_weight, 0.0), 1.0, total_weight)
-        accumulators = self._accumulators_of(variables)
-        inner = self.inner_optimizer
-        clips = inner.clipnorm or inner.global_clipnorm or inner.clipvalue
-        if _replicas.count() > 1 and clips:
-            # The clip must see the global window mean: reduce it here, hand
-            # it whole to replica 0 and zeros to the others, so that the inner
-            # optimizer's per-replica clip then all-reduce (SUM) yields
-            # exactly clip(S / W) on every replica.
-            means = [_replicas.read_total(a) / total_weight for a in accumulators]
+    # -- the rule: one micro-batch, and the window's end ----------------------
 
-            def apply_inner(means):
-                first = _replicas.is_first_replica()
-                inner.apply([tf.where(first, m, tf.zeros((), m.dtype)) for m in means], variables)
-
-            _replicas.for_each_replica(apply_inner, means)
-        else:
-            # Each replica hands S_r / W; the inner optimizer's all-reduce
-            # (SUM) turns it into S / W: one communication per window.
-            def apply_inner(total_weight):
-                inner.apply([a.value / total_weight for a in accumulators], variables)
-
-            _replicas.for_each_replica(apply_inner, total_weight)
-
-    # -- JAX and PyTorch (`keras_accum.portable`) ----------------------------
-
-    _portable_steps_inner = True
-
-    def _portable_fold(self, grads, variables, weight, start, ok):
+    def _fold(self, grads, variables, weight, start, ok):
         accumulators = self._accumulators_of(variables)
         grads = [ops.cast(g, "float32") for g in grads]
         if isinstance(weight, weighing.ReplicaItems):  # `weigh_micro_batches`
@@ -345,14 +196,14 @@ class GradientAccumulation(base.AccumulationOptimizer):
             items = ops.cast(weight.items, "float32")
             weight = ops.where(items >= 0.0, items, 1.0)
         share = ops.convert_to_tensor(1.0 if weight is None else weight, "float32")
-        if self.nonfinite == "skip_window" and portable.EAGER:
+        if self.nonfinite == "skip_window" and kernels.EAGER:
             pass  # NaN and Inf propagate into S: checked once, at the window's end
         elif self.nonfinite == "skip_window":
             # Traced (JAX): a bad micro-batch adds zeros to S (kept finite)
             # and NaN to W, which the window's end reads as "drop" (a
             # scalar, not a read of S on every micro-step).
-            ok = portable.all_finite(grads)
-            share = portable.masked(ok, share, ops.convert_to_tensor(float("nan"), "float32"))
+            ok = kernels.all_finite(grads)
+            share = kernels.masked(ok, share, ops.convert_to_tensor(float("nan"), "float32"))
         if ok is False:
             # Eager: a skipped micro-batch adds nothing (and no weight); the
             # window's start still resets S and W.
@@ -374,59 +225,30 @@ class GradientAccumulation(base.AccumulationOptimizer):
         kernels.window_sums(accumulators, grads, start)
         self._weight.assign(equations.window_sum(self._weight, share, start))
 
-    def _portable_window_ok(self, boundary):
-        if self.nonfinite == "skip_window" and portable.EAGER:
+    def _window_ok(self, boundary):
+        if self.nonfinite == "skip_window" and kernels.EAGER:
             # Eager, at the window's end only: its sums hold a NaN or an Inf
             # when any of its micro-batches did.
-            return portable.all_finite([ops.convert_to_tensor(a) for a in self._accumulators])
+            return kernels.all_finite([ops.convert_to_tensor(a) for a in self._accumulators])
         if self.nonfinite == "skip_window":
             return ops.isfinite(ops.convert_to_tensor(self._weight))
         if self.nonfinite == "skip_micro_batch":
             return self._weight > 0.0  # every micro-batch skipped: nothing to apply
         return True
 
-    def _portable_drop(self, dropped):
+    def _drop(self, dropped):
         # A bad micro-batch made W NaN (traced) or S (eager): 0 again, so
         # no NaN is left behind.
-        self._weight.assign(portable.masked(dropped, 0.0, self._weight))
+        self._weight.assign(kernels.masked(dropped, 0.0, self._weight))
         if dropped is True:
             for a in self._accumulators:
                 a.assign(ops.zeros_like(a))
 
-    def _portable_update(self, variables, keep):
+    def _update(self, variables, keep):
         weight = ops.convert_to_tensor(self._weight)
         weight = ops.where(ops.equal(weight, 0.0), 1.0, weight)  # S = 0 too: mean 0
         means = [a / weight for a in self._accumulators_of(variables)]
-        if isinstance(keep, bool) or _backend.is_concrete(keep):
-            if bool(keep):  # PyTorch, or JAX run eagerly
-                self.inner_optimizer.apply(means, variables)
-            return
-        pending = self.__dict__.get("_pending_inner")
-        if pending is None:
-            raise RuntimeError(
-                "GradientAccumulation in a traced JAX step must be applied "
-                "through `stateless_apply` (what `model.fit` does)."
-            )
-        pending.extend([means, keep])  # stepped in `stateless_apply`
-
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables, weight=None):
-        """Keras's stateless step (JAX), with `apply`'s optional `weight`:
-        a jitted custom step passes each micro-batch's item or token count
-        here (a traced scalar is fine)."""
-        if _backend.BACKEND != "jax":
-            if weight is not None:
-                raise ValueError(
-                    "`stateless_apply(weight=...)` is for JAX's jitted steps; under "
-                    f"{_backend.BACKEND} pass `apply(grads, variables, weight=n)`. "
-                    f"Received: weight={weight!r}"
-                )
-            return super().stateless_apply(optimizer_variables, grads, trainable_variables)
-        return portable.stateless_inner_step(
-            self, optimizer_variables, grads, trainable_variables, weight
-        )
-
-    def _finish_update(self, variables):
-        pass  # the inner optimizer applies its EMA and constraints itself
+        self._step_inner(means, variables, keep)  # the driver's: a branch, or a lax.cond
 
     def _wrapped_optimizers(self):
         return [self.inner_optimizer]

@@ -1,6 +1,5 @@
 """Batch-size invariant Adam (Wang & Aitchison 2024, arXiv:2402.18824)."""
 
-import functools
 from typing import Any
 
 import keras
@@ -9,22 +8,18 @@ from keras import ops, saving
 from keras_accum import (
     _backend,
     _compat,
-    _execution,
     _replicas,
-    _tensors,
+    drivers,
     equations,
-    folds,
     kernels,
-    portable,
     scaling,
     schedules,
 )
-from keras_accum._backend import tf
 from keras_accum.adam_family import AdamFamily
 
 
 @saving.register_keras_serializable(package="keras_accum")
-class InvariantAdam(AdamFamily):
+class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
     r"""Adam whose second moment averages *squared* micro-batch gradients.
 
     With kappa micro-batches per update (kappa = steps x replicas in sync)
@@ -173,115 +168,12 @@ class InvariantAdam(AdamFamily):
             )
         self._build_scaling()
         self._restore_deferred_state()
-        portable.warn_data_parallel(self)
-
-    def _fold(self, grads, variables, weight, start):
-        # Replica context, replica-local moments: no communication.
-        replicas = _replicas.count()
-        moments = [
-            (self._momentums[i], self._velocities[i])
-            for i in (_compat.variable_index(self, v) for v in variables)
-        ]
-        # A large Embedding's gradient (`tf.IndexedSlices`) stays sparse: its
-        # rows go into m and v where they fall (`folds.fold_rows`), unless
-        # the micro-batch is clipped or every window is one micro-batch
-        # (Keras Adam's dense arithmetic there).
-        sparse = not (self._single_step() or self._clips())
-        keep = lambda g, v: _tensors.sparse_or_dense(g, v) if sparse else _tensors.dense(g)
-        grads = [keep(g, v) for g, v in zip(grads, variables)]
-        cast = lambda g, dtype: _tensors.map_values(lambda x: tf.cast(x, dtype), g)
-        grads = [cast(g, m.dtype) for g, (m, _) in zip(grads, moments)]
-        # A skipped micro-batch (ok False) counts as a zero gradient: the
-        # window's decay of m and v still happens.
-        grads, ok = self._screen(grads, mask=False)
-        if self._single_step():
-            _, rate_1, rate_2 = self._window_factors(replicas)
-
-            def fold_keras_form(ok):
-                if ok is False:  # a skipped micro-batch: a zero gradient
-                    kept = [tf.zeros((), g.dtype) for g in grads]
-                else:
-                    kept = [_execution.where(ok, g, tf.zeros((), g.dtype)) for g in grads]
-                    kept = self._clip_micro_batch(kept, replicas)
-                folds.keras_moments(kept, moments, rate_1, rate_2, replicas, self.assign_add)
-
-            _execution.by_condition(fold_keras_form, ok)
-            return
-        grads = self._clip_micro_batch(grads, replicas)
-        scalars = self._fold_scalars(replicas, start)
-        rows = [(g, mv) for g, mv in zip(grads, moments) if isinstance(g, tf.IndexedSlices)]
-        dense = [(g, mv) for g, mv in zip(grads, moments) if not isinstance(g, tf.IndexedSlices)]
-        if rows:
-            fold_rows = lambda start: folds.fold_rows(*zip(*rows), scalars, start, ok)
-            _execution.by_condition(fold_rows, start)
-        if dense:
-            grads = [g for g, _ in dense]
-            handles = [(m.handle, v.handle) for _, (m, v) in dense]
-            jit = _execution.worth_compiling(grads)
-            _execution.run(folds.fold_moments, self, grads, *zip(*handles), scalars, ok, jit=jit)
 
     def _single_step(self):
         """True when every window is one micro-batch per replica (a constant
         `steps=1`): the fold then needs no window-start flag."""
         steps = self.window_steps
         return isinstance(steps, int) and steps == 1
-
-    def _fold_scalars(self, replicas, start):
-        """(steps, replicas / steps, 1 - beta_1,k, 1 - beta_2,k, first) as
-        float32 scalars: g_j / kappa = g / steps and g_j**2 / kappa =
-        g**2 * replicas / steps (g = g_r / replicas: the replica factor is
-        undone before squaring); first = 1 at the window's start, else 0."""
-        steps, beta_1_rate, beta_2_rate = self._window_factors(replicas)
-        values = (steps, replicas / steps, beta_1_rate, beta_2_rate, start)
-        return tuple(tf.cast(x, "float32") for x in values)
-
-    def _update(self, variables, window, writes):
-        learning_rate = self.learning_rate
-        update_count = _compat.update_counter(self) + 1
-        if self.scaling_rule is not None:
-            learning_rate, update_count = self._scaled_rate(_replicas.count())
-        moments = [
-            (self._momentums[i], self._velocities[i])
-            for i in (_compat.variable_index(self, v) for v in variables)
-        ]
-        replicated = _replicas.count() > 1
-        if replicated:
-            totals = self._reduce_moments(variables, moments)
-        else:
-            totals = [(m.value, v.value) for m, v in moments]
-        for var, (m, v), (m_total, v_total) in zip(variables, moments, totals):
-            apply = functools.partial(self._apply_moments, writes=writes)
-            _replicas.update_each([var], apply, m_total, v_total, learning_rate, update_count)
-            if replicated:
-                # Spread the totals back evenly over the replicas.
-                _replicas.assign_total(m, _replicas.local_value(m_total))
-                _replicas.assign_total(v, _replicas.local_value(v_total))
-
-    def _reduce_moments(self, variables, moments):
-        """[(sum of m_r, sum of v_r)] per variable, each on the devices of
-        its variable: every replica-local moment in one batched all-reduce,
-        the window's one communication."""
-
-        def local():  # replica context: this replica's m_r, v_r
-            return [(m.value, v.value) for m, v in moments]
-
-        parts = _replicas.for_each_replica(local)
-        pairs = [
-            (part, var)
-            for var, (m_part, v_part) in zip(variables, parts)
-            for part in (m_part, v_part)
-        ]
-        totals = _replicas.sum_over_replicas(pairs)
-        return list(zip(totals[::2], totals[1::2]))
-
-    def _apply_moments(self, variable, m, v, learning_rate, update_count, writes):
-        if self.scaling_rule is None:
-            alpha = self._adam_alpha(learning_rate, update_count, variable.dtype)
-        else:  # `update_count` is the bias correction, see `_scaled_rate`
-            alpha = tf.cast(learning_rate * update_count, variable.dtype)
-        self._decay(variable, tf.cast(learning_rate, variable.dtype))
-        # theta = theta - alpha_k m / (sqrt(v) + epsilon)
-        writes.assign_sub(variable, equations.adam_step(m, v, alpha, self.epsilon))
 
     # -- hyperparameters that follow the window size (`scaling_rule`) --------
 
@@ -325,8 +217,8 @@ class InvariantAdam(AdamFamily):
         p_1, p_2 = self._beta_products
         # P_i = P_i * beta_i,k
         new_1, new_2 = p_1 * (1 - beta_1_rate), p_2 * (1 - beta_2_rate)
-        p_1.assign(portable.masked(keep, new_1, p_1))
-        p_2.assign(portable.masked(keep, new_2, p_2))
+        p_1.assign(kernels.masked(keep, new_1, p_1))
+        p_2.assign(kernels.masked(keep, new_2, p_2))
         correction = ops.sqrt(1 - new_2) / (1 - new_1)
         schedule = _compat.learning_rate_schedule(self)
         if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
@@ -340,19 +232,21 @@ class InvariantAdam(AdamFamily):
         # lr_k = kappa_k * lr
         return ops.cast(learning_rate, "float32") * kappa, correction
 
-    def _ema_momentum_of_window(self):
+    def _ema_momentum_of_window(self, replicas=1):
+        """With a `scaling_rule`, window k's EMA momentum rho_k =
+        ema_momentum ** kappa_k (a fixed rate per example); None (Keras's
+        own `ema_momentum`) without one."""
         if self.scaling_rule is None:
-            return self.ema_momentum
-        steps = self.window_steps  # kappa_k = steps (one replica)
+            return None
+        steps = self.window_steps  # kappa_k = steps x replicas
         if isinstance(steps, int):
-            return self.ema_momentum**steps
-        return ops.power(
-            ops.convert_to_tensor(self.ema_momentum, "float32"), ops.cast(steps, "float32")
-        )
+            return self.ema_momentum ** (steps * replicas)  # a Python float, as Keras's
+        kappa = ops.cast(steps, "float32") * replicas
+        return ops.power(ops.convert_to_tensor(self.ema_momentum, "float32"), kappa)
 
-    # -- JAX and PyTorch (`keras_accum.portable`) ----------------------------
+    # -- the rule: one micro-batch, and the window's end ----------------------
 
-    def _portable_fold(self, grads, variables, weight, start, ok):
+    def _fold(self, grads, variables, weight, start, ok):
         indices = [_compat.variable_index(self, v) for v in variables]
         momentums = [self._momentums[i] for i in indices]
         velocities = [self._velocities[i] for i in indices]
@@ -374,7 +268,7 @@ class InvariantAdam(AdamFamily):
         take = (rate_1 / steps, rate_2 * (1.0 / steps))
         kernels.decayed_moments(momentums, velocities, grads, keep, take)
 
-    def _portable_update(self, variables, keep):
+    def _update(self, variables, keep):
         learning_rate = self.learning_rate
         update_count = self.iterations + 1
         if self.scaling_rule is not None:
@@ -391,27 +285,7 @@ class InvariantAdam(AdamFamily):
                 rate = ops.cast(learning_rate, var.dtype)
                 theta = equations.decayed(theta, ops.cast(self.weight_decay, var.dtype), rate)
             step = equations.adam_step(m, v, alpha, self.epsilon)
-            var.assign(portable.masked(keep, theta - step, var))
-
-    def _update_ema(self, trainable_variables):
-        """Keras's EMA of the weights; with a `scaling_rule`, window k uses
-        momentum rho_k = ema_momentum ** kappa_k (a fixed rate per example)."""
-        if self.scaling_rule is None:
-            return super()._update_ema(trainable_variables)
-        steps = self.window_steps  # kappa_k = steps x replicas
-        kappa = (steps if isinstance(steps, int) else tf.cast(steps, "float32")) * _replicas.count()
-        if isinstance(kappa, int):
-            rho = self.ema_momentum**kappa  # a Python float, as Keras's
-        else:
-            rho = tf.pow(tf.constant(self.ema_momentum, "float32"), kappa)
-        for var, average in zip(trainable_variables, _compat.ema_averages(self)):
-            if average is None:
-                continue
-            # The first update copies the weights (momentum 0), as in Keras.
-            not_first = tf.cast(tf.not_equal(self.iterations, 0), var.dtype)
-            momentum = not_first * tf.cast(rho, var.dtype)
-            # average = rho_k * average + (1 - rho_k) * theta
-            average.assign(momentum * average + (1 - momentum) * var)
+            var.assign(kernels.masked(keep, theta - step, var))
 
     def get_config(self):
         config = super().get_config()

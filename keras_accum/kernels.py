@@ -1,18 +1,21 @@
-"""The optimizers' writes of one micro-batch, list-wise, in the form each
-backend runs fastest, picked once at import.
+"""The optimizers' writes of one micro-batch, list-wise, and the flags
+that guard them, in the form each backend runs fastest, picked once at
+import: what the rules (each optimizer's `_fold`, `_update`) write with on
+JAX and PyTorch.
 
-Each optimizer's rule (its `_portable_fold`) says *what* it writes, with
-the arithmetic of `keras_accum.equations`; these functions say *how*:
+Each optimizer's rule says *what* it writes, with the arithmetic of
+`keras_accum.equations`; these functions say *how*:
 
 * `keras.ops`, one variable at a time (JAX traces it into straight-line
   code, masks included). A flag (`start`, `keep`) may be a boolean tensor.
 * Under PyTorch, which runs each call eagerly, Keras's own in-place
   `torch._foreach_*` forms (as `keras/src/backend/torch/optimizers/
   torch_adam.py`): one kernel per term for every variable, no copy. The
-  flags are Python bools there (`portable.decided`), and a skipped
-  micro-batch writes nothing.
+  flags are Python bools there (`decided`), and a skipped micro-batch
+  writes nothing.
 
-None of them asks which backend it is on: `IN_PLACE` is decided here, once.
+None of them asks which backend it is on: `IN_PLACE` (and `EAGER`) is
+decided here, once.
 """
 
 import numbers
@@ -22,6 +25,67 @@ from keras import ops
 from keras_accum import _backend, _compat, equations
 
 IN_PLACE = _backend.BACKEND == "torch"
+
+# PyTorch runs each call eagerly: there a window's start, its end and a
+# micro-batch's screen are read as Python bools, and what a window's end
+# computes runs only at the end (a Python `if`, as Keras's own accumulation
+# does on PyTorch). JAX traces the step: there they stay boolean tensors and
+# every write is `where(keep, new, old)`.
+EAGER = IN_PLACE
+
+
+def decided(condition):
+    """`condition` as a Python bool where the step runs eagerly (PyTorch);
+    unchanged (a boolean tensor, or already a bool) under JAX."""
+    if EAGER and not isinstance(condition, bool):
+        return bool(condition)
+    return condition
+
+
+def masked(keep, new, old):
+    """`new` where `keep` holds, else `old`; `new` (`old`) when `keep` is
+    True (False)."""
+    if keep is True:
+        return new
+    if keep is False:
+        return old
+    return ops.where(keep, ops.convert_to_tensor(new), ops.convert_to_tensor(old))
+
+
+def both(a, b):
+    """Logical and of two flags (Python bools or boolean tensors)."""
+    if isinstance(a, bool) and isinstance(b, bool):
+        return a and b
+    if a is True or b is True:
+        return b if a is True else a
+    if a is False or b is False:
+        return False
+    return ops.logical_and(a, b)
+
+
+def flag(condition, dtype):
+    """A boolean scalar (or Python bool) as 0/1 of `dtype`."""
+    if isinstance(condition, bool):
+        return int(condition)
+    return ops.cast(condition, dtype)
+
+
+def all_finite(grads):
+    """True when no gradient holds a NaN or an Inf (exact).
+
+    Eagerly (PyTorch) a NaN or an Inf propagates into a sum: one reduction
+    per gradient, no boolean tensor; the elementwise test runs only if a
+    float32 sum overflowed (as `nonfinite.all_finite` on TensorFlow)."""
+    if EAGER:
+        sums = ops.stack([ops.sum(ops.cast(g, "float32")) for g in grads])
+        if bool(ops.all(ops.isfinite(sums))):
+            return True
+    checks = [ops.all(ops.isfinite(g)) for g in grads]
+    result = checks[0]
+    for check in checks[1:]:
+        result = ops.logical_and(result, check)
+    return result
+
 
 if IN_PLACE:
     import torch
@@ -42,12 +106,6 @@ def _values(variables):
     return [v.value for v in variables]
 
 
-def _masked(keep, new, old):
-    if keep is True:
-        return new
-    return ops.where(keep, ops.convert_to_tensor(new), ops.convert_to_tensor(old))
-
-
 def adam_moments(momentums, velocities, grads, rate_1, rate_2, keep=True):
     """m = m + (g - m)(1 - beta_1), v = v + (g**2 - v)(1 - beta_2) for each
     variable (`rate_i` = 1 - beta_i), written where `keep` holds.
@@ -66,8 +124,8 @@ def adam_moments(momentums, velocities, grads, rate_1, rate_2, keep=True):
         return
     for m, v, g in zip(momentums, velocities, grads):
         m_new, v_new = equations.adam_moments(m, v, g, rate_1, rate_2)
-        m.assign(_masked(keep, m_new, m))
-        v.assign(_masked(keep, v_new, v))
+        m.assign(masked(keep, m_new, m))
+        v.assign(masked(keep, v_new, v))
 
 
 def decayed_moments(momentums, velocities, grads, keep, take):
@@ -136,4 +194,4 @@ def subtract(variables, deltas, keep=True):
         return
     for variable, delta in zip(variables, deltas):
         theta = ops.convert_to_tensor(variable)
-        variable.assign(_masked(keep, theta - ops.cast(delta, variable.dtype), theta))
+        variable.assign(masked(keep, theta - ops.cast(delta, variable.dtype), theta))

@@ -1,90 +1,103 @@
-"""The route of one `apply` under JAX and PyTorch: `keras.ops`, no branch.
+"""The JAX and PyTorch driver: `keras.ops`, the window's end a mask or a
+Python branch.
 
-TensorFlow's route (`keras_accum.base`) enters cross-replica context and
-decides the window's end with a `cond`. Here there is one device's worth
-of state (JAX's `DataParallel` hands the optimizer the global gradient) and
-the window's end is a 0/1 mask: every write of the update is
-`where(keep, new, old)`, so that JAX's `stateless_apply` (a
-`StatelessScope` around `apply`, traced once by `jit`) sees straight-line
-code. Under PyTorch the same code runs eagerly.
+TensorFlow's driver (`keras_accum.drivers.tensorflow`) enters cross-replica
+context and decides the window's end with a `cond`. Here there is one
+device's worth of state (JAX's `DataParallel` hands the optimizer the
+global gradient) and each optimizer's rule (`_fold`, `_window_ok`, `_drop`,
+`_update` of its class) runs as it is written, with the writes of
+`keras_accum.kernels`:
 
-`GradientAccumulation` is the exception: its update is another optimizer's
-step, too costly to compute on every micro-batch and throw away. Under
-JAX it runs in a `lax.cond` (`ops.cond`) of the values `stateless_apply`
-returns, as Keras's `LossScaleOptimizer` does; under PyTorch in an eager
-`if`.
+* JAX traces the step (`stateless_apply`: a `StatelessScope` around
+  `apply`, traced once by `jit`): the window's start and end are boolean
+  tensors and every write of the update is `where(keep, new, old)`,
+  straight-line code.
+* PyTorch runs it eagerly: the flags are Python bools (`kernels.decided`),
+  and nothing of a window's end runs inside a window (a Python `if`, as
+  Keras's own accumulation does on PyTorch).
+
+`GradientAccumulation`'s update is another optimizer's step, too costly to
+compute on every micro-batch and throw away: under JAX it runs in a
+`lax.cond` (`ops.cond`) of the values `stateless_apply` returns, as Keras's
+`LossScaleOptimizer` does; under PyTorch in an `if` (`GradientAccumulationForm`).
 
 What TensorFlow alone offers (`tf.distribute`, sparse `IndexedSlices`
 gradients, XLA's resource kernels, the custom loop) is refused here in one
-line naming the backend. `AdaptiveSteps` is `keras.ops` and runs here.
+line naming the backend.
 """
 
+import contextlib
 import warnings
 
 import keras
 from keras import ops
 
-from keras_accum import _backend, _compat, nonfinite
+from keras_accum import _backend, _compat, kernels, nonfinite
+from keras_accum.kernels import both, decided, flag, masked
 
-# PyTorch runs each call eagerly: there a window's start, its end and a
-# micro-batch's screen are read as Python bools, and what a window's end
-# computes runs only at the end (a Python `if`, as Keras's own accumulation
-# does on PyTorch). JAX traces the step: there they stay boolean tensors and
-# every write is `where(keep, new, old)`.
-EAGER = _backend.BACKEND == "torch"
+__all__ = ["Driver", "GradientAccumulationForm", "InvariantAdamForm", "UpdateAccumulationAdamForm"]
 
 
-def decided(condition):
-    """`condition` as a Python bool where the step runs eagerly (PyTorch);
-    unchanged (a boolean tensor, or already a bool) under JAX."""
-    if EAGER and not isinstance(condition, bool):
-        return bool(condition)
-    return condition
+class Driver:
+    """The JAX and PyTorch route of `AccumulationOptimizer.apply`."""
+
+    def _drive(self, pairs, overwrite, weight):
+        grads = [g for g, _ in pairs]
+        if self.loss_scale_factor is not None:
+            grads = [g / self.loss_scale_factor for g in grads]
+        with keras.name_scope(self.name, caller=self):
+            apply(self, grads, [v for _, v in pairs], weight, overwrite)
+
+    def _check_strategy(self):
+        return None  # no tf.distribute strategy here
+
+    def _creation_scope(self):
+        return contextlib.nullcontext()
 
 
-def masked(keep, new, old):
-    """`new` where `keep` holds, else `old`; `new` (`old`) when `keep` is
-    True (False)."""
-    if keep is True:
-        return new
-    if keep is False:
-        return old
-    return ops.where(keep, ops.convert_to_tensor(new), ops.convert_to_tensor(old))
+class GradientAccumulationForm:
+    """`GradientAccumulation`'s inner step: an eager `if` (PyTorch), or the
+    `lax.cond` of `stateless_apply` (JAX)."""
+
+    def _step_inner(self, means, variables, keep):
+        if isinstance(keep, bool) or _backend.is_concrete(keep):
+            if bool(keep):  # PyTorch, or JAX run eagerly
+                self.inner_optimizer.apply(means, variables)
+            return
+        pending = self.__dict__.get("_pending_inner")
+        if pending is None:
+            raise RuntimeError(
+                "GradientAccumulation in a traced JAX step must be applied "
+                "through `stateless_apply` (what `model.fit` does)."
+            )
+        pending.extend([means, keep])  # stepped in `stateless_apply`
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables, weight=None):
+        """Keras's stateless step (JAX), with `apply`'s optional `weight`:
+        a jitted custom step passes each micro-batch's item or token count
+        here (a traced scalar is fine)."""
+        if _backend.BACKEND != "jax":
+            if weight is not None:
+                raise ValueError(
+                    "`stateless_apply(weight=...)` is for JAX's jitted steps; under "
+                    f"{_backend.BACKEND} pass `apply(grads, variables, weight=n)`. "
+                    f"Received: weight={weight!r}"
+                )
+            return super().stateless_apply(optimizer_variables, grads, trainable_variables)
+        return stateless_inner_step(self, optimizer_variables, grads, trainable_variables, weight)
 
 
-def both(a, b):
-    """Logical and of two flags (Python bools or boolean tensors)."""
-    if isinstance(a, bool) and isinstance(b, bool):
-        return a and b
-    if a is True or b is True:
-        return b if a is True else a
-    if a is False or b is False:
-        return False
-    return ops.logical_and(a, b)
+class InvariantAdamForm:
+    """`InvariantAdam` here: its rule as written; a warning under a
+    `keras.distribution` that splits the batch (`warn_data_parallel`)."""
+
+    def build(self, var_list):
+        super().build(var_list)
+        warn_data_parallel(self)
 
 
-def flag(condition, dtype):
-    """A boolean scalar (or Python bool) as 0/1 of `dtype`."""
-    if isinstance(condition, bool):
-        return int(condition)
-    return ops.cast(condition, dtype)
-
-
-def all_finite(grads):
-    """True when no gradient holds a NaN or an Inf (exact).
-
-    Eagerly (PyTorch) a NaN or an Inf propagates into a sum: one reduction
-    per gradient, no boolean tensor; the elementwise test runs only if a
-    float32 sum overflowed (as `nonfinite.all_finite` on TensorFlow)."""
-    if EAGER:
-        sums = ops.stack([ops.sum(ops.cast(g, "float32")) for g in grads])
-        if bool(ops.all(ops.isfinite(sums))):
-            return True
-    checks = [ops.all(ops.isfinite(g)) for g in grads]
-    result = checks[0]
-    for check in checks[1:]:
-        result = ops.logical_and(result, check)
-    return result
+class UpdateAccumulationAdamForm:
+    """`UpdateAccumulationAdam` here: its rule as written."""
 
 
 def apply(optimizer, grads, variables, weight, overwrite):
@@ -103,7 +116,7 @@ def apply(optimizer, grads, variables, weight, overwrite):
         optimizer.nonfinite == "skip_window" and not optimizer._checks_window_sums
     )
     if screens:
-        ok = decided(all_finite(grads))
+        ok = decided(kernels.all_finite(grads))
         if optimizer.nonfinite == "raise":
             if not bool(ok):  # eager (PyTorch): one line, as `nonfinite.explained` gives
                 step = int(ops.convert_to_numpy(optimizer._micro_step)) + 1
@@ -116,7 +129,7 @@ def apply(optimizer, grads, variables, weight, overwrite):
             optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + bad)
             window_bad = masked(start, ops.zeros((), _backend.INT), optimizer._window_bad)
             optimizer._window_bad.assign(window_bad + bad)
-    optimizer._portable_fold(grads, variables, weight, start, ok)
+    optimizer._fold(grads, variables, weight, start, ok)
     micro_step = ops.convert_to_tensor(optimizer._micro_step) + 1
     optimizer._micro_step.assign(micro_step)
     boundary = True if optimizer.steps == 1 else decided(optimizer._window_done(micro_step))
@@ -130,18 +143,18 @@ def end_window(optimizer, variables, boundary):
     applied; the drop counted where it may not."""
     if boundary is False:
         return  # eager, inside a window: nothing of the window's end runs
-    window_ok = decided(optimizer._portable_window_ok(boundary))
+    window_ok = decided(optimizer._window_ok(boundary))
     keep = both(boundary, window_ok)
     if window_ok is not True:
         dropped = both(boundary, window_ok is False or ops.logical_not(window_ok))
         if dropped is not False:
             counter = optimizer._skipped_updates
             counter.assign(counter + flag(dropped, _backend.INT))
-            optimizer._portable_drop(dropped)
+            optimizer._drop(dropped)
     if keep is False:
         return
-    optimizer._portable_update(variables, keep)
-    if optimizer._portable_steps_inner:
+    optimizer._update(variables, keep)
+    if optimizer._steps_inner:
         return  # the inner optimizer counted, averaged and constrained
     if optimizer.use_ema:
         update_ema(optimizer, keep)
@@ -157,6 +170,8 @@ def update_ema(optimizer, keep):
     `optimizer._ema_momentum_of_window()`), and its periodic overwrite."""
     trained = _compat.trainable_variables(optimizer)
     momentum_of_window = optimizer._ema_momentum_of_window()
+    if momentum_of_window is None:
+        momentum_of_window = optimizer.ema_momentum
     first = ops.equal(ops.convert_to_tensor(optimizer.iterations), 0)
     for var, average in zip(trained, _compat.ema_averages(optimizer)):
         if average is None:
@@ -189,7 +204,7 @@ def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variab
     trainable_variables = [ops.convert_to_tensor(v) for v in trainable_variables]
     mapping = list(zip(_compat.trainable_variables(optimizer), trainable_variables))
     mapping += list(zip(optimizer.variables, optimizer_variables))
-    pending = []  # (means, keep), from `_portable_update`
+    pending = []  # (means, keep), from `GradientAccumulationForm._step_inner`
     optimizer.__dict__["_pending_inner"] = pending  # not a tracked attribute
     try:
         with keras.StatelessScope(state_mapping=mapping) as scope:
@@ -239,13 +254,11 @@ def warn_data_parallel(optimizer):
     then squares one gradient per step, so kappa = steps, not steps x
     devices as under `tf.distribute` (where each replica's gradient is a
     micro-batch)."""
-    if _backend.IS_TENSORFLOW:
-        return
     devices = _data_parallel_devices()
     if devices > 1:
         warnings.warn(
             f"{type(optimizer).__name__} under keras.distribution on {devices} devices: "
             "each step's gradient arrives averaged over them, so kappa = steps (one "
             "micro-batch per step), not steps x devices as under tf.distribute.",
-            stacklevel=3,
+            stacklevel=4,
         )

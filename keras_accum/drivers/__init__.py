@@ -1,0 +1,40 @@
+"""One driver per backend, chosen once, at import.
+
+An optimizer's class is its *rule*: its state, how one micro-batch folds
+in (`_fold`) and what the window's end does (`_window_ok`, `_drop`,
+`_update`, `_ema_momentum_of_window`), in `keras.ops`. A *driver* runs the
+rules on one backend: it decides the window's start and end, screens
+non-finite gradients, counts, and runs the EMA and constraints after an
+update.
+
+* `drivers.tensorflow`: `tf.distribute` (replica-local state, the window's
+  end a `cond` in cross-replica context), XLA, sparse rows. Each optimizer
+  has a *form* there, how TensorFlow runs its rule (`_tf_fold`,
+  `_tf_update`, ...), as Keras keeps `backend/torch/optimizers/torch_adam.py`
+  beside `optimizers/adam.py`.
+* `drivers.portable`: JAX (traced: masks) and PyTorch (eager: Python
+  branches) run the rules as written.
+
+`AccumulationOptimizer` takes `Driver` as a base class, each optimizer its
+form (`InvariantAdam(InvariantAdamForm, AdamFamily)`): the backend is asked
+here once, never on a call.
+"""
+
+from keras_accum import _backend
+
+if _backend.IS_TENSORFLOW:
+    from keras_accum.drivers.tensorflow import (
+        Driver,
+        GradientAccumulationForm,
+        InvariantAdamForm,
+        UpdateAccumulationAdamForm,
+    )
+else:
+    from keras_accum.drivers.portable import (
+        Driver,
+        GradientAccumulationForm,
+        InvariantAdamForm,
+        UpdateAccumulationAdamForm,
+    )
+
+__all__ = ["Driver", "GradientAccumulationForm", "InvariantAdamForm", "UpdateAccumulationAdamForm"]

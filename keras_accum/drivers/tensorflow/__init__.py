@@ -1,0 +1,217 @@
+"""The TensorFlow driver: one micro-batch per `apply`, the window's end a
+`cond` decided in cross-replica context.
+
+The route of one call:
+
+1. `_drive` (replica context, as Keras's `train_step` and a custom
+   `strategy.run` loop call `apply`) enters cross-replica context with
+   `merge_call`, so that the window boundary is decided there: a `cond`
+   whose branch needs a sync point cannot live in replica context (the
+   crash of Keras's own `gradient_accumulation_steps` under
+   MirroredStrategy); Keras's `LossScaleOptimizer` does the same.
+2. `_tf_accumulate` folds the micro-batch into the optimizer state; by
+   default each replica runs the optimizer's `_tf_fold` on its own
+   replica-local state (no communication).
+3. The micro-step counter advances; at a boundary `_tf_update` changes the
+   model variables and `iterations` advances by one
+   (`_execution.at_window_end` decides how the boundary runs: a branch, or
+   under XLA a kept select); the callbacks of `on_window_end` run there too.
+
+What each optimizer does on this route (replica-local sums and the one
+reduction per window, sparse rows, one compiled kernel per replica) is its
+form in this package (`gradient_accumulation.py`, `invariant_adam.py`,
+`update_accumulation_adam.py`), a mixin the optimizer's class takes when
+TensorFlow runs: the rule (the optimizer's own module, `keras.ops`) says
+what is computed, the form how TensorFlow computes it, as Keras keeps
+`optimizers/adam.py` and `backend/torch/optimizers/torch_adam.py`. Every
+cross-replica verb is in `keras_accum._replicas`.
+"""
+
+import keras
+
+from keras_accum import _compat, _execution, _replicas, _tensors, nonfinite
+from keras_accum._backend import tf
+from keras_accum.drivers.tensorflow.gradient_accumulation import GradientAccumulationForm
+from keras_accum.drivers.tensorflow.invariant_adam import InvariantAdamForm
+from keras_accum.drivers.tensorflow.update_accumulation_adam import UpdateAccumulationAdamForm
+
+__all__ = ["Driver", "GradientAccumulationForm", "InvariantAdamForm", "UpdateAccumulationAdamForm"]
+
+
+class Driver:
+    """The TensorFlow route of `AccumulationOptimizer.apply`."""
+
+    def _drive(self, pairs, overwrite, weight):
+        if tf.distribute.get_replica_context() is None:
+            raise ValueError(
+                f"{self.__class__.__name__}.apply() must be called in a "
+                "replica context (inside `strategy.run`), not in "
+                "cross-replica context."
+            )
+        grads = [g for g, _ in pairs]
+        if self.loss_scale_factor is not None:
+            # g = g / loss_scale_factor, before anything else sees it.
+            unscale = lambda x: x / self.loss_scale_factor
+            grads = [_tensors.map_values(unscale, g) for g in grads]
+        with keras.name_scope(self.name, caller=self):
+            _replicas.merge(self._merge_apply, grads, [v for _, v in pairs], weight, overwrite)
+
+    def _check_strategy(self):
+        """The strategy in scope must be the one this optimizer (and one it
+        wraps) was created under, else TensorFlow fails later, naming
+        neither."""
+        strategy = tf.distribute.get_strategy()
+        for optimizer in [self, *self._wrapped_optimizers()]:
+            created = _compat.optimizer_strategy(optimizer)
+            if created is not strategy:
+                raise ValueError(
+                    f"Optimizer '{optimizer.name}' ({type(optimizer).__name__}) was created "
+                    f"under another tf.distribute strategy than the "
+                    f"{type(strategy).__name__} it is applied in: create it, and any "
+                    "optimizer it wraps, inside `strategy.scope()`, with the model. "
+                    f"Received: created under {type(created).__name__}"
+                )
+
+    def _creation_scope(self):
+        """Where state the optimizer creates later must be created: the
+        scope of the strategy it was created under."""
+        return _compat.optimizer_strategy(self).scope()
+
+    def _merge_apply(self, grads, trainable_variables, weight, overwrite):
+        # Cross-replica context from here on: `grads` are per-replica values.
+        window_start = self._start_window()
+        if grads:
+            self._tf_accumulate(grads, trainable_variables, weight, window_start)
+        micro_step = self._micro_step.assign_add(1)
+        boundary = self._window_done(micro_step)
+        self._overwrite_with_gradients(overwrite, boundary)
+        followers = self._window_end_callbacks()
+
+        def end(keep):
+            self._end_window(trainable_variables, keep)
+            for callback in followers:  # `on_window_end`, in the same branch
+                callback(keep)
+
+        _execution.at_window_end(boundary, end, every_step=self.steps == 1)
+
+    def _overwrite_with_gradients(self, pairs, boundary):
+        """`overwrite_with_gradient` variables take the gradient of the
+        window's last micro-batch at the boundary (scalars, no cond)."""
+        for grad, variable in pairs:
+
+            def overwrite(var, grad):
+                grad = tf.cast(_tensors.dense(grad), var.dtype)
+                var.assign(grad if self.steps == 1 else tf.where(boundary, grad, var))
+
+            _replicas.update_each([variable], overwrite, grad)
+
+    def _end_window(self, trainable_variables, boundary=None):
+        """The window's update (or its drop). With `boundary` (a boolean
+        tensor, under XLA on one replica) it runs on every micro-step and
+        its writes are kept only where `boundary` holds."""
+        window, window_ok = self._tf_read_window(trainable_variables)
+
+        def update(writes=self):
+            # `writes`: what the update writes its slots and variables with
+            # (this optimizer's `assign*`, or their kept form under a select).
+            self._tf_update(trainable_variables, window, writes)
+            self._finish_update(trainable_variables)
+            _compat.update_counter(self).assign_add(1)
+
+        def drop():
+            self._skipped_updates.assign_add(1)
+            self._tf_drop_window(trainable_variables)
+
+        counts_bad = self.nonfinite == "skip_window" and not self._checks_window_sums
+        if counts_bad:
+            clean = tf.equal(_replicas.read_total(self._window_bad), 0)
+            window_ok = clean if window_ok is None else window_ok & clean
+        if boundary is not None:
+            keep = boundary if window_ok is None else boundary & window_ok
+            state = list(trainable_variables) + list(self.variables)
+            wrapped = self._wrapped_optimizers()
+            _execution.keep_where(keep, trainable_variables, state, self, update, wrapped)
+            if window_ok is not None:
+                dropped = boundary & tf.logical_not(window_ok)
+                self._skipped_updates.assign_add(tf.cast(dropped, "int64"))
+                self._tf_drop_window(trainable_variables, dropped)
+        elif window_ok is None:
+            update()
+        else:
+            tf.cond(window_ok, update, drop)
+        if counts_bad:
+            restart = 0
+            if boundary is not None:  # window_bad = 0 at the window's end
+                bad = _replicas.read_total(self._window_bad)
+                restart = tf.where(boundary, tf.zeros_like(bad), bad)
+            _replicas.assign_total(self._window_bad, restart)
+
+    def _finish_update(self, variables):
+        """After an update, in Keras's order: EMA of the weights (and its
+        periodic overwrite), then each variable's constraint. Nothing when
+        the update is another optimizer's step (it does both itself)."""
+        if self._steps_inner:
+            return
+        if self.use_ema:
+            trained = _compat.trainable_variables(self)
+            self._update_ema(trained)
+            if self.ema_overwrite_frequency:
+                tf.cond(
+                    tf.equal((_compat.update_counter(self) + 1) % self.ema_overwrite_frequency, 0),
+                    lambda: _compat.overwrite_with_ema(self, trained),
+                    lambda: None,
+                )
+        for variable in variables:
+            if variable.constraint is not None:
+
+                def constrain(var, constraint=variable.constraint):
+                    var.assign(constraint(var))
+
+                _replicas.update_each([variable], constrain)
+
+    def _update_ema(self, variables):
+        """The EMA step of the weights after an update: Keras's, or with the
+        rule's own momentum per window (`_ema_momentum_of_window`)."""
+        rho = self._ema_momentum_of_window(_replicas.count())
+        if rho is None:
+            _compat.update_ema(self, variables)
+            return
+        for var, average in zip(variables, _compat.ema_averages(self)):
+            if average is None:
+                continue
+            # The first update copies the weights (momentum 0), as in Keras.
+            not_first = tf.cast(tf.not_equal(self.iterations, 0), var.dtype)
+            momentum = not_first * tf.cast(rho, var.dtype)
+            # average = rho_k * average + (1 - rho_k) * theta
+            average.assign(momentum * average + (1 - momentum) * var)
+
+    def _screen(self, grads, mask=True):
+        """`nonfinite.screen` of this optimizer (replica context)."""
+        return nonfinite.screen(self, grads, mask)
+
+    # -- what each optimizer's form fills in ----------------------------------
+
+    def _tf_accumulate(self, grads, variables, weight, start):
+        """Cross-replica: folds one micro-batch in. By default each replica
+        runs `_tf_fold(grads, variables, weight, start)` on its own share."""
+        _replicas.for_each_replica(self._tf_fold, grads, variables, weight, start)
+
+    def _tf_fold(self, grads, variables, weight, start):
+        raise NotImplementedError
+
+    def _tf_read_window(self, variables):
+        """(window, ok) at the boundary (cross-replica): totals read once,
+        handed to `_tf_update`, and a boolean tensor saying whether the
+        window may be applied (None: always)."""
+        return None, None
+
+    def _tf_update(self, variables, window, writes):
+        """The window's update: `writes.assign*` (this optimizer's own
+        methods, or their kept form under a select) for what the update
+        reads back; direct writes are kept too."""
+        raise NotImplementedError
+
+    def _tf_drop_window(self, variables, dropped=None):
+        """After a dropped update (where `dropped` holds, under XLA): leave
+        no non-finite window state behind. Nothing by default."""
+        return None  # a docstring-only body makes AutoGraph warn when traced

@@ -1,0 +1,150 @@
+"""GradientAccumulation on TensorFlow: replica-local sums, one
+communication per window (the inner optimizer's own all-reduce).
+
+The rule (`keras_accum.gradient_accumulation`) says what a micro-batch and
+a window's end compute; this is how TensorFlow runs it under
+`tf.distribute`: each replica adds w g to its own S_r and W_r (a large
+`Embedding`'s gradient row by row, never made parameter-sized); under
+`"skip_window"` the window's sums are checked once at its end in graph
+mode (NaN and Inf propagate into them), under XLA a bad micro-batch makes
+W_r NaN instead; at the end each replica hands S_r / W to the inner
+optimizer, whose all-reduce (SUM) makes it S / W.
+"""
+
+from keras_accum import _execution, _replicas, _tensors, folds, nonfinite, weighing
+from keras_accum._backend import tf
+
+
+class GradientAccumulationForm:
+    """The TensorFlow form of `keras_accum.GradientAccumulation` (a mixin)."""
+
+    def _tf_fold(self, grads, variables, weight, start):
+        # Replica context, replica-local state only: no communication.
+        accumulators = self._accumulators_of(variables)
+        scale, share = self._weights(weight)
+        # A large Embedding's gradient stays sparse (`tf.IndexedSlices`): it
+        # is added to S_r row by row, never made parameter-sized.
+        grads = [_tensors.sparse_or_dense(g, v) for g, v in zip(grads, variables)]
+        grads = [_tensors.map_values(lambda x: tf.cast(x, "float32"), g) for g in grads]
+        xla = _execution.in_xla()
+        if self.nonfinite == "skip_window":
+            ok = None  # graph mode: the window's sums are checked at its end
+            if xla:
+                # Under XLA the check fuses into the fold; a bad micro-batch
+                # adds zeros to S_r (kept finite) and NaN to W_r, which the
+                # window's end then reads as "drop" (a scalar, no read of S_r).
+                finite = nonfinite.all_finite(grads)
+                keep = lambda x: tf.where(finite, x, tf.zeros((), x.dtype))
+                grads = [_tensors.map_values(keep, g) for g in grads]
+                share = tf.where(finite, share, tf.constant(float("nan"), "float32"))
+        else:
+            grads, ok = self._screen(grads, mask=xla)
+            if ok is not None and xla:
+                # A skipped micro-batch (zeroed by `_screen`) adds no weight.
+                share = share * tf.cast(ok, "float32")
+        if scale is not None:
+            grads = [_tensors.map_values(lambda x: scale * x, g) for g in grads]
+
+        def fold(start, ok):
+            # S_r = w g at the window's start, else S_r + w g; W_r likewise
+            # with w. A skipped micro-batch (ok False) adds nothing, and
+            # leaves S_r = 0, W_r = 0 at the window's start.
+            for a, wg in zip(accumulators, grads):
+                folds.window_sum(a, wg if ok else None, start)
+            folds.window_sum(self._weight, share if ok else None, start)
+
+        _execution.by_condition(fold, start, None if xla else ok)
+
+    def _weights(self, weight):
+        """(scale of g, share of W_r) for this replica: w g is this
+        replica's summed-loss gradient (scale None for w = 1), and the
+        shares of the replicas sum to the micro-batch's weight."""
+        replicas = _replicas.count()
+        if isinstance(weight, weighing.ReplicaItems):
+            # g = (mean gradient over this replica's n items) / replicas, so
+            # its summed-loss gradient is n * replicas * g; W counts items.
+            # n = UNSET (no count recorded this step: the model was compiled
+            # again without weighing) counts the micro-batch as one; n = 0
+            # (every item weighs zero) adds nothing.
+            items = tf.cast(weight.items, "float32")
+            recorded = items >= 0.0
+            return (
+                tf.where(recorded, items * replicas, 1.0),
+                tf.where(recorded, items, 1.0 / replicas),
+            )
+        # g is this replica's share of the global mean over `weight` items,
+        # so weight * g is its summed-loss gradient. W_r gets an equal share.
+        scale = tf.cast(weight, "float32")
+        unit = isinstance(weight, float) and weight == 1.0
+        return None if unit else scale, scale / replicas
+
+    def _tf_read_window(self, variables):
+        """((W,), ok): W summed over replicas; whether the window may be
+        applied, under each policy."""
+        if self.nonfinite != "skip_window":
+            total_weight = _replicas.read_total(self._weight)
+            if self.nonfinite == "skip_micro_batch":
+                # Every micro-batch of the window skipped: nothing to apply.
+                return (total_weight,), total_weight > 0.0
+            return (total_weight,), None
+        if _execution.in_xla():
+            total_weight = _replicas.read_total(self._weight)
+            # Under XLA a bad micro-batch made W NaN (`_fold`).
+            return (total_weight,), tf.math.is_finite(total_weight)
+        # Graph mode: NaN and Inf propagate into the window's sums, so one
+        # check of each S_r per window (in the window end's branch) replaces
+        # a check of every micro-batch, reduced with W in the window's one
+        # scalar reduction.
+        accumulators = self._accumulators_of(variables)
+
+        def local():  # (W_r, 1.0 where S_r holds a NaN or an Inf)
+            finite = nonfinite.all_finite([a.value for a in accumulators])
+            return tf.stack([self._weight.value, 1.0 - tf.cast(finite, "float32")])
+
+        totals = _replicas.sum_scalars(_replicas.for_each_replica(local))
+        return (totals[0],), tf.equal(totals[1], 0.0)
+
+    def _tf_drop_window(self, variables, dropped=None):
+        if self.nonfinite != "skip_window":
+            return  # the sums are finite: bad micro-batches never entered
+        accumulators = self._accumulators_of(variables)
+
+        def reset():  # no NaN left behind (the next window overwrites them)
+            if not _execution.in_xla():  # the drop branch of a `cond`: S_r may hold NaN
+                for a in accumulators + [self._weight]:
+                    folds.window_sum(a, None, True)
+            elif dropped is None:  # XLA, a `cond` (replicas): S_r stayed finite
+                self._weight.assign(0.0)
+            else:  # XLA, every micro-step: W_r is NaN after a bad micro-batch
+                self._weight.assign(tf.where(dropped, 0.0, self._weight.value))
+
+        _replicas.for_each_replica(reset)
+
+    def _tf_update(self, variables, window, writes):
+        (total_weight,) = window
+        # W = 0 only when every item of the window weighs zero: then S = 0
+        # too, and the big batch's mean gradient is 0 (Keras divides its
+        # loss with `divide_no_nan`), not 0 / 0.
+        total_weight = tf.where(tf.equal(total_weight, 0.0), 1.0, total_weight)
+        accumulators = self._accumulators_of(variables)
+        inner = self.inner_optimizer
+        clips = inner.clipnorm or inner.global_clipnorm or inner.clipvalue
+        if _replicas.count() > 1 and clips:
+            # The clip must see the global window mean: reduce it here, hand
+            # it whole to replica 0 and zeros to the others, so that the inner
+            # optimizer's per-replica clip then all-reduce (SUM) yields
+            # exactly clip(S / W) on every replica.
+            means = [_replicas.read_total(a) / total_weight for a in accumulators]
+
+            def apply_inner(means):
+                first = _replicas.is_first_replica()
+                inner.apply([tf.where(first, m, tf.zeros((), m.dtype)) for m in means], variables)
+
+            _replicas.for_each_replica(apply_inner, means)
+        else:
+            # Each replica hands S_r / W; the inner optimizer's all-reduce
+            # (SUM) turns it into S / W: one communication per window.
+            def apply_inner(total_weight):
+                inner.apply([a.value / total_weight for a in accumulators], variables)
+
+            _replicas.for_each_replica(apply_inner, total_weight)
