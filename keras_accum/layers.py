@@ -11,17 +11,13 @@ for it in a built model.
 
 from __future__ import annotations
 
-import contextlib
-import math
 import weakref
 from typing import Any
 
 import keras
 from keras import ops
 
-from keras_accum import _backend, _compat, _replicas, base
-from keras_accum._backend import tf
-from keras_accum.schedules import PiecewiseSteps, StepsSchedule
+from keras_accum import _backend, _compat, base, drivers
 from keras_accum.validation import check_choice
 
 # What `momentum` is per: a micro-step (Keras's layer under accumulation
@@ -31,7 +27,7 @@ MOMENTUM_UNITS = ("micro_step", "update")
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
-class BatchNormalization(keras.layers.BatchNormalization):
+class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNormalization):
     """Batch normalization whose moving statistics are the window's.
 
     A drop-in `keras.layers.BatchNormalization` (same arguments, same
@@ -174,10 +170,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         dtype = keras.backend.result_type(self.variable_dtype, "float32")
         # Replica-local (on-read SUM): each replica adds its own part, a
         # read in cross-replica context (or a save) sees the total.
-        local_scope = (
-            _replicas.sync_on_read() if _backend.IS_TENSORFLOW else contextlib.nullcontext()
-        )
-        with keras.name_scope(self.name, caller=self), local_scope:
+        with keras.name_scope(self.name, caller=self), self._local_scope():
             local = dict(
                 initializer="zeros",
                 shape=shape,
@@ -189,18 +182,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             self.window_sum = keras.Variable(name="window_sum", **local)
             self.window_square_sum = keras.Variable(name="window_square_sum", **local)
             self.window_count = keras.Variable(name="window_count", **local)
-        if _backend.IS_TENSORFLOW:
-            return
-        # Off TensorFlow the layer counts its windows itself, as the
-        # optimizer does (`keras_accum.window`): the training calls so far,
-        # and the size and end micro-step of the current window. Created
-        # after the sums, and only here: TensorFlow's saved format is as
-        # before.
-        with keras.name_scope(self.name, caller=self):
-            counter = dict(initializer="zeros", shape=(), dtype=_backend.INT, trainable=False)
-            self.micro_step = keras.Variable(name="micro_step", **counter)
-            self.window_steps = keras.Variable(name="window_steps", **counter)
-            self.window_end = keras.Variable(name="window_end", **counter)
+        self._build_counters()
 
     def call(self, inputs, training=None, mask=None):
         optimizer = self._window_optimizer() if training and self.trainable else None
@@ -214,15 +196,12 @@ class BatchNormalization(keras.layers.BatchNormalization):
         gamma = ops.cast(self.gamma, compute_dtype) if self.scale else None
         beta = ops.cast(self.beta, compute_dtype) if self.center else None
         mean, variance = _compat.batch_moments(self, inputs, mask)
-        if _backend.IS_TENSORFLOW:
-            self._fold(inputs, mask, mean, variance)
         if getattr(self, "renorm", False):  # Keras 3.14+
             gamma, beta = _compat.renorm_transform(self, mean, variance, gamma, beta, compute_dtype)
-        if not _backend.IS_TENSORFLOW:
-            # After the renorm correction read the renorm statistics: a
-            # window that ends here moves them after this micro-batch, as
-            # the optimizer's `apply` does on TensorFlow.
-            self._fold_and_count(inputs, mask, mean, variance, optimizer.steps)
+        # After the renorm correction read the renorm statistics: a window
+        # that ends here (off TensorFlow, in this call) moves them after
+        # this micro-batch, as the optimizer's `apply` does on TensorFlow.
+        self._fold_micro_batch(inputs, mask, mean, variance, optimizer)
         outputs = ops.batch_normalization(
             x=inputs,
             mean=mean,
@@ -240,131 +219,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
         behaviour."""
         if self._follows is not None:
             optimizer = self._follows()
-        elif _backend.IS_TENSORFLOW:
-            optimizer = getattr(_compat.calling_model(), "optimizer", None)
         else:
-            optimizer = getattr(_compat.training_model(), "optimizer", None)
+            optimizer = getattr(self._calling_model(), "optimizer", None)
         while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             optimizer = optimizer.inner_optimizer
         if not isinstance(optimizer, base.AccumulationOptimizer):
             return None
         self._followed = weakref.ref(optimizer)
-        if _backend.IS_TENSORFLOW:
-            optimizer.on_window_end(self._end_window)
-        elif isinstance(optimizer.steps, StepsSchedule) and not isinstance(
-            optimizer.steps, PiecewiseSteps
-        ):
-            raise ValueError(
-                "`keras_accum.layers.BatchNormalization` counts its windows itself "
-                f"under {_backend.BACKEND}, so it follows an integer `steps` or a "
-                "`PiecewiseSteps`, not a schedule that sizes windows from the "
-                "optimizer's state (TensorFlow runs that). "
-                f"Received: steps={optimizer.steps!r}"
-            )
+        self._follow(optimizer)
         return optimizer
-
-    def _fold(self, inputs, mask, mean, variance):
-        """Replica context: this micro-batch into this replica's sums."""
-        dtype = self.window_sum.dtype
-        rank = len(inputs.shape)
-        axes = [a for a in range(rank) if a != self.axis % rank]
-        if mask is None:
-            channels = self.window_sum.shape[0]
-            items = tf.size(inputs, out_type=tf.int64) // channels
-            count = tf.fill([channels], tf.cast(items, dtype))
-        else:  # the count Keras's masked moments divide by
-            weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
-            count = ops.sum(ops.cast(weights, dtype), axis=axes)
-        mean = tf.stop_gradient(ops.cast(mean, dtype))
-        variance = tf.stop_gradient(ops.cast(variance, dtype))
-        shifted = mean - ops.cast(self.moving_mean, dtype)  # mu_i - c
-        # S1 += n_i (mu_i - c); S2 += n_i (s_i^2 + (mu_i - c)^2); N += n_i
-        self.window_sum.assign_add(count * shifted)
-        self.window_square_sum.assign_add(count * (variance + shifted * shifted))
-        self.window_count.assign_add(count)
-
-    def _end_window(self, keep=None):
-        """Cross-replica, at a window's end (`on_window_end`): the sums of
-        every replica in one all-reduce, the moving statistics moved once,
-        the sums restarted. With `keep` (a boolean tensor, under XLA on
-        one replica) this runs on every micro-step and writes only where
-        `keep` holds."""
-        sums = [self.window_sum, self.window_square_sum, self.window_count]
-        parts = _replicas.for_each_replica(lambda: tf.stack([s.value for s in sums]))
-        totals = _replicas.sum_over_replicas([(parts, self.moving_mean)])[0]
-        total_sum, total_square_sum, count = tf.unstack(_replicas.local_value(totals))
-        # mu - c = S1 / N; s^2 = S2 / N - (mu - c)^2; mu = c + S1 / N
-        shifted = tf.math.divide_no_nan(total_sum, count)
-        variance = tf.math.divide_no_nan(total_square_sum, count) - tf.square(shifted)
-        variance = tf.maximum(variance, 0.0)
-        mean = ops.cast(self.moving_mean, shifted.dtype) + shifted
-        # A window this layer saw nothing of leaves its statistics alone.
-        write = count > 0 if keep is None else tf.logical_and(count > 0, keep)
-        optimizer = self._followed() if self._followed is not None else None
-        size = 1 if optimizer is None else optimizer.window_steps
-        self._move_statistics(mean, variance, write, self._momenta(size))
-        for variable in sums:
-            rest = tf.zeros(variable.shape, variable.dtype)
-            if keep is not None:
-                rest = tf.where(keep, rest, _replicas.read_total(variable))
-            _replicas.assign_total(variable, rest)
-
-    def _fold_and_count(self, inputs, mask, mean, variance, steps):
-        """JAX and PyTorch, in the training call: this micro-batch into the
-        sums, the call counted, and where it ends the window (as the
-        optimizer bounds it, `keras_accum.window`) the moving statistics
-        moved and the sums restarted, each write a select (no branch)."""
-        dtype = self.window_sum.dtype
-        rank = len(inputs.shape)
-        axes = [a for a in range(rank) if a != self.axis % rank]
-        channels = self.window_sum.shape[0]
-        if mask is None:
-            count = ops.full((channels,), math.prod(inputs.shape) // channels, dtype=dtype)
-        else:  # the count Keras's masked moments divide by
-            weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
-            count = ops.sum(ops.cast(weights, dtype), axis=axes)
-        mean = ops.stop_gradient(ops.cast(mean, dtype))
-        variance = ops.stop_gradient(ops.cast(variance, dtype))
-        shifted = mean - ops.cast(self.moving_mean, dtype)  # mu_i - c
-        # S1 += n_i (mu_i - c); S2 += n_i (s_i^2 + (mu_i - c)^2); N += n_i
-        total_sum = ops.convert_to_tensor(self.window_sum) + count * shifted
-        total_square_sum = ops.convert_to_tensor(self.window_square_sum) + count * (
-            variance + shifted * shifted
-        )
-        total_count = ops.convert_to_tensor(self.window_count) + count
-        # The window's bounds, as `WindowMixin._start_window` and
-        # `_window_done` set the optimizer's: a schedule is read when a
-        # window starts, and its value holds until the window ends.
-        step = ops.convert_to_tensor(self.micro_step)
-        end = ops.convert_to_tensor(self.window_end)
-        start = ops.greater_equal(step, end)
-        fresh = steps(step) if isinstance(steps, StepsSchedule) else steps
-        size = ops.where(
-            start, ops.cast(fresh, _backend.INT), ops.convert_to_tensor(self.window_steps)
-        )
-        end = ops.where(start, step + size, end)
-        step = step + 1
-        done = ops.equal(step, end)
-        self.micro_step.assign(step)
-        self.window_steps.assign(size)
-        self.window_end.assign(end)
-        # At the window's end: mu - c = S1 / N; s^2 = S2 / N - (mu - c)^2.
-        seen = total_count > 0
-        safe = ops.where(seen, total_count, ops.ones_like(total_count))
-        shifted = ops.where(seen, total_sum / safe, ops.zeros_like(total_sum))
-        variance = ops.where(seen, total_square_sum / safe, ops.zeros_like(total_sum))
-        variance = ops.maximum(variance - ops.square(shifted), 0.0)
-        mean = ops.cast(self.moving_mean, shifted.dtype) + shifted
-        # A window this layer saw nothing of leaves its statistics alone.
-        write = ops.logical_and(seen, done)
-        momenta = self._momenta(steps if isinstance(steps, int) else size)
-        self._move_statistics(mean, variance, write, momenta)
-        for variable, total in [
-            (self.window_sum, total_sum),
-            (self.window_square_sum, total_square_sum),
-            (self.window_count, total_count),
-        ]:
-            variable.assign(ops.where(done, ops.zeros_like(total), total))
 
     def _momenta(self, size):
         """(momentum, renorm momentum or None) of one update that ends a
@@ -418,11 +281,6 @@ class BatchNormalization(keras.layers.BatchNormalization):
         for variable, new in moved:
             old = ops.convert_to_tensor(variable)
             variable.assign(ops.where(write, ops.cast(new, old.dtype), old))
-
-    def _counters(self):
-        """The window counters of JAX and PyTorch (none on TensorFlow)."""
-        names = ("micro_step", "window_steps", "window_end")
-        return [getattr(self, name) for name in names if hasattr(self, name)]
 
     def load_own_variables(self, store):
         # A file saved on another backend: TensorFlow saves no window

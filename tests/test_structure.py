@@ -148,6 +148,53 @@ def test_every_library_module_is_listed_in_the_maps(page):
     assert files <= listed, f"{page} does not list: {sorted(files - listed)}"
 
 
+# -- the rules ask no backend question: the drivers do (keras_accum/drivers) -------
+
+RULES = [
+    "base.py",
+    "adam_family.py",
+    "gradient_accumulation.py",
+    "invariant_adam.py",
+    "update_accumulation_adam.py",
+    "window.py",
+    "layers.py",
+]
+BACKEND_QUESTIONS = {"BACKEND", "IS_TENSORFLOW", "IN_PLACE"}
+
+
+def backend_questions(source):
+    """['line: what'] for each backend question of a module: `tf` imported,
+    `_backend.BACKEND`, `_backend.IS_TENSORFLOW`, `keras.backend.backend()`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom | ast.Import):
+            names = [alias.asname or alias.name for alias in node.names]
+            if "tf" in names or "tensorflow" in names:
+                found.append(f"{node.lineno}: imports tf")
+        elif isinstance(node, ast.Attribute) and node.attr in BACKEND_QUESTIONS:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value  # keras.backend.backend()
+            if node.func.attr == "backend" and getattr(owner, "attr", None) == "backend":
+                found.append(f"{node.lineno}: backend.backend()")
+    return found
+
+
+def test_the_scan_sees_a_backend_question():
+    assert backend_questions("from keras_accum._backend import tf\n") == ["1: imports tf"]
+    assert backend_questions("if _backend.IS_TENSORFLOW:\n    pass\n") == ["1: .IS_TENSORFLOW"]
+    assert backend_questions("x = keras.backend.backend()\n") == ["1: backend.backend()"]
+    assert backend_questions("x = keras.backend.result_type(a)\n") == []
+    assert backend_questions("x = _backend.INT\n") == []
+
+
+@pytest.mark.parametrize("module", RULES)
+def test_the_rules_ask_no_backend_question(module):
+    # The backend is asked once, in keras_accum/drivers/__init__.py; what
+    # differs per backend is a driver's or a form's (keras_accum/drivers).
+    assert backend_questions((PACKAGE / module).read_text()) == []
+
+
 # -- private Keras and TensorFlow names: in keras_accum/_compat.py only ----------
 
 COMPAT = PACKAGE / "_compat.py"

@@ -17,13 +17,15 @@ update.
 
 `AccumulationOptimizer` takes `Driver` as a base class, each optimizer its
 form (`InvariantAdam(InvariantAdamForm, AdamFamily)`): the backend is asked
-here once, never on a call.
+here once, never on a call. `keras_accum.layers.BatchNormalization` takes
+its form the same way (`BatchNormalizationForm`).
 """
 
 from keras_accum import _backend
 
 if _backend.IS_TENSORFLOW:
     from keras_accum.drivers.tensorflow import (
+        BatchNormalizationForm,
         Driver,
         GradientAccumulationForm,
         InvariantAdamForm,
@@ -36,5 +38,12 @@ else:
         InvariantAdamForm,
         UpdateAccumulationAdamForm,
     )
+    from keras_accum.drivers.portable_batch_norm import BatchNormalizationForm
 
-__all__ = ["Driver", "GradientAccumulationForm", "InvariantAdamForm", "UpdateAccumulationAdamForm"]
+__all__ = [
+    "BatchNormalizationForm",
+    "Driver",
+    "GradientAccumulationForm",
+    "InvariantAdamForm",
+    "UpdateAccumulationAdamForm",
+]

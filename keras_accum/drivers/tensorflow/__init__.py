@@ -31,11 +31,18 @@ import keras
 
 from keras_accum import _compat, _execution, _replicas, _tensors, nonfinite
 from keras_accum._backend import tf
+from keras_accum.drivers.tensorflow.batch_norm import BatchNormalizationForm
 from keras_accum.drivers.tensorflow.gradient_accumulation import GradientAccumulationForm
 from keras_accum.drivers.tensorflow.invariant_adam import InvariantAdamForm
 from keras_accum.drivers.tensorflow.update_accumulation_adam import UpdateAccumulationAdamForm
 
-__all__ = ["Driver", "GradientAccumulationForm", "InvariantAdamForm", "UpdateAccumulationAdamForm"]
+__all__ = [
+    "BatchNormalizationForm",
+    "Driver",
+    "GradientAccumulationForm",
+    "InvariantAdamForm",
+    "UpdateAccumulationAdamForm",
+]
 
 
 class Driver:

@@ -1,0 +1,113 @@
+"""`keras_accum.layers.BatchNormalization` on JAX and PyTorch: the layer
+counts its windows itself, as the optimizer bounds them
+(`keras_accum.window`), and moves its moving statistics in the forward
+pass that ends a window, each write a select (no branch).
+
+The layer (`keras_accum.layers`) says what the window's statistics and the
+move are; this is how JAX and PyTorch follow the optimizer's windows.
+"""
+
+import contextlib
+import math
+
+import keras
+from keras import ops
+
+from keras_accum import _backend, _compat
+from keras_accum.schedules import PiecewiseSteps, StepsSchedule
+
+COUNTERS = ("micro_step", "window_steps", "window_end")
+
+
+class BatchNormalizationForm:
+    """The JAX and PyTorch form of `keras_accum.layers.BatchNormalization`."""
+
+    def _local_scope(self):
+        return contextlib.nullcontext()  # one device's worth of state
+
+    def _build_counters(self):
+        """The training calls so far, and the size and end micro-step of
+        the current window. Created after the sums, and only here:
+        TensorFlow's saved format is as before."""
+        with keras.name_scope(self.name, caller=self):
+            counter = dict(initializer="zeros", shape=(), dtype=_backend.INT, trainable=False)
+            for name in COUNTERS:
+                setattr(self, name, keras.Variable(name=name, **counter))
+
+    def _counters(self):
+        return [getattr(self, name) for name in COUNTERS if hasattr(self, name)]
+
+    def _calling_model(self):
+        return _compat.training_model()
+
+    def _follow(self, optimizer):
+        if isinstance(optimizer.steps, StepsSchedule) and not isinstance(
+            optimizer.steps, PiecewiseSteps
+        ):
+            raise ValueError(
+                "`keras_accum.layers.BatchNormalization` counts its windows itself "
+                f"under {_backend.BACKEND}, so it follows an integer `steps` or a "
+                "`PiecewiseSteps`, not a schedule that sizes windows from the "
+                "optimizer's state (TensorFlow runs that). "
+                f"Received: steps={optimizer.steps!r}"
+            )
+
+    def _fold_micro_batch(self, inputs, mask, mean, variance, optimizer):
+        self._fold_and_count(inputs, mask, mean, variance, optimizer.steps)
+
+    def _fold_and_count(self, inputs, mask, mean, variance, steps):
+        """JAX and PyTorch, in the training call: this micro-batch into the
+        sums, the call counted, and where it ends the window (as the
+        optimizer bounds it, `keras_accum.window`) the moving statistics
+        moved and the sums restarted, each write a select (no branch)."""
+        dtype = self.window_sum.dtype
+        rank = len(inputs.shape)
+        axes = [a for a in range(rank) if a != self.axis % rank]
+        channels = self.window_sum.shape[0]
+        if mask is None:
+            count = ops.full((channels,), math.prod(inputs.shape) // channels, dtype=dtype)
+        else:  # the count Keras's masked moments divide by
+            weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
+            count = ops.sum(ops.cast(weights, dtype), axis=axes)
+        mean = ops.stop_gradient(ops.cast(mean, dtype))
+        variance = ops.stop_gradient(ops.cast(variance, dtype))
+        shifted = mean - ops.cast(self.moving_mean, dtype)  # mu_i - c
+        # S1 += n_i (mu_i - c); S2 += n_i (s_i^2 + (mu_i - c)^2); N += n_i
+        total_sum = ops.convert_to_tensor(self.window_sum) + count * shifted
+        total_square_sum = ops.convert_to_tensor(self.window_square_sum) + count * (
+            variance + shifted * shifted
+        )
+        total_count = ops.convert_to_tensor(self.window_count) + count
+        # The window's bounds, as `WindowMixin._start_window` and
+        # `_window_done` set the optimizer's: a schedule is read when a
+        # window starts, and its value holds until the window ends.
+        step = ops.convert_to_tensor(self.micro_step)
+        end = ops.convert_to_tensor(self.window_end)
+        start = ops.greater_equal(step, end)
+        fresh = steps(step) if isinstance(steps, StepsSchedule) else steps
+        size = ops.where(
+            start, ops.cast(fresh, _backend.INT), ops.convert_to_tensor(self.window_steps)
+        )
+        end = ops.where(start, step + size, end)
+        step = step + 1
+        done = ops.equal(step, end)
+        self.micro_step.assign(step)
+        self.window_steps.assign(size)
+        self.window_end.assign(end)
+        # At the window's end: mu - c = S1 / N; s^2 = S2 / N - (mu - c)^2.
+        seen = total_count > 0
+        safe = ops.where(seen, total_count, ops.ones_like(total_count))
+        shifted = ops.where(seen, total_sum / safe, ops.zeros_like(total_sum))
+        variance = ops.where(seen, total_square_sum / safe, ops.zeros_like(total_sum))
+        variance = ops.maximum(variance - ops.square(shifted), 0.0)
+        mean = ops.cast(self.moving_mean, shifted.dtype) + shifted
+        # A window this layer saw nothing of leaves its statistics alone.
+        write = ops.logical_and(seen, done)
+        momenta = self._momenta(steps if isinstance(steps, int) else size)
+        self._move_statistics(mean, variance, write, momenta)
+        for variable, total in [
+            (self.window_sum, total_sum),
+            (self.window_square_sum, total_square_sum),
+            (self.window_count, total_count),
+        ]:
+            variable.assign(ops.where(done, ops.zeros_like(total), total))
