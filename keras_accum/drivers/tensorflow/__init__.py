@@ -28,9 +28,11 @@ cross-replica verb is in `keras_accum._replicas`.
 """
 
 import keras
+from keras import ops
 
 from keras_accum import _compat, _execution, _replicas, _tensors, nonfinite
 from keras_accum._backend import tf
+from keras_accum.drivers import portable
 from keras_accum.drivers.tensorflow.batch_norm import BatchNormalizationForm
 from keras_accum.drivers.tensorflow.gradient_accumulation import GradientAccumulationForm
 from keras_accum.drivers.tensorflow.invariant_adam import InvariantAdamForm
@@ -60,8 +62,43 @@ class Driver:
             # g = g / loss_scale_factor, before anything else sees it.
             unscale = lambda x: x / self.loss_scale_factor
             grads = [_tensors.map_values(unscale, g) for g in grads]
+        merge = self._merge_apply if self._has_tf_form() else self._merge_rule
         with keras.name_scope(self.name, caller=self):
-            _replicas.merge(self._merge_apply, grads, [v for _, v in pairs], weight, overwrite)
+            _replicas.merge(merge, grads, [v for _, v in pairs], weight, overwrite)
+
+    def _has_tf_form(self):
+        """True when the optimizer's class has a TensorFlow form (its own
+        `_tf_fold` or `_tf_accumulate`); else its rule runs as written."""
+        cls = type(self)
+        return (
+            cls._tf_fold is not Driver._tf_fold or cls._tf_accumulate is not Driver._tf_accumulate
+        )
+
+    def _merge_rule(self, grads, trainable_variables, weight, overwrite):
+        """An optimizer with no TensorFlow form: its rule (`_fold`,
+        `_update`, ...) as JAX runs it, masks and all (the window's update
+        computed on every micro-step and kept at its end), on one replica,
+        in cross-replica context; the `on_window_end` callbacks after it."""
+        replicas = _replicas.count()
+        name = type(self).__name__
+        if replicas > 1:
+            raise ValueError(
+                f"{name} has no TensorFlow form (keras_accum/drivers/tensorflow), so "
+                "it runs on one replica only: its rule folds one device's gradient. "
+                f"Received: {replicas} replicas in sync"
+            )
+        if self.nonfinite == "raise":
+            raise ValueError(
+                f"{name} has no TensorFlow form: its rule cannot raise from a traced "
+                "step; use 'skip_micro_batch', 'skip_window' or None. "
+                "Received: nonfinite='raise'"
+            )
+        grads = [_tensors.dense(_replicas.local_value(g)) for g in grads]
+        overwrite = [(_replicas.local_value(g), v) for g, v in overwrite]
+        portable.apply(self, grads, trainable_variables, weight, overwrite)
+        boundary = self._window_done(ops.convert_to_tensor(self._micro_step))
+        for callback in self._window_end_callbacks():
+            callback(boundary)
 
     def _check_strategy(self):
         """The strategy in scope must be the one this optimizer (and one it
