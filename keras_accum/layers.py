@@ -229,6 +229,24 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
         self._follow(optimizer)
         return optimizer
 
+    def _window_terms(self, inputs, mask, mean, variance, items):
+        """(n_i (mu_i - c), n_i (s_i^2 + (mu_i - c)^2), n_i) per channel:
+        what micro-batch i adds to the window's sums S1, S2, N, with c the
+        moving mean (a shift, for precision); `items` per channel is n_i
+        without a mask (a number, or a scalar tensor)."""
+        dtype = self.window_sum.dtype
+        rank = len(inputs.shape)
+        axes = [a for a in range(rank) if a != self.axis % rank]
+        if mask is None:
+            count = ops.full((self.window_sum.shape[0],), ops.cast(items, dtype), dtype=dtype)
+        else:  # the count Keras's masked moments divide by
+            weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
+            count = ops.sum(ops.cast(weights, dtype), axis=axes)
+        mean = ops.stop_gradient(ops.cast(mean, dtype))
+        variance = ops.stop_gradient(ops.cast(variance, dtype))
+        shifted = mean - ops.cast(self.moving_mean, dtype)  # mu_i - c
+        return count * shifted, count * (variance + shifted * shifted), count
+
     def _momenta(self, size):
         """(momentum, renorm momentum or None) of one update that ends a
         window of `size` micro-steps (an int, or an integer tensor under a

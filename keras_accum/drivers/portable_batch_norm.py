@@ -60,24 +60,14 @@ class BatchNormalizationForm:
         sums, the call counted, and where it ends the window (as the
         optimizer bounds it, `keras_accum.window`) the moving statistics
         moved and the sums restarted, each write a select (no branch)."""
-        dtype = self.window_sum.dtype
-        rank = len(inputs.shape)
-        axes = [a for a in range(rank) if a != self.axis % rank]
         channels = self.window_sum.shape[0]
-        if mask is None:
-            count = ops.full((channels,), math.prod(inputs.shape) // channels, dtype=dtype)
-        else:  # the count Keras's masked moments divide by
-            weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
-            count = ops.sum(ops.cast(weights, dtype), axis=axes)
-        mean = ops.stop_gradient(ops.cast(mean, dtype))
-        variance = ops.stop_gradient(ops.cast(variance, dtype))
-        shifted = mean - ops.cast(self.moving_mean, dtype)  # mu_i - c
+        items = math.prod(inputs.shape) // channels
+        terms = self._window_terms(inputs, mask, mean, variance, items)
         # S1 += n_i (mu_i - c); S2 += n_i (s_i^2 + (mu_i - c)^2); N += n_i
-        total_sum = ops.convert_to_tensor(self.window_sum) + count * shifted
-        total_square_sum = ops.convert_to_tensor(self.window_square_sum) + count * (
-            variance + shifted * shifted
-        )
-        total_count = ops.convert_to_tensor(self.window_count) + count
+        sums = [self.window_sum, self.window_square_sum, self.window_count]
+        total_sum, total_square_sum, total_count = [
+            ops.convert_to_tensor(total) + term for total, term in zip(sums, terms)
+        ]
         # The window's bounds, as `WindowMixin._start_window` and
         # `_window_done` set the optimizer's: a schedule is read when a
         # window starts, and its value holds until the window ends.

@@ -38,23 +38,12 @@ class BatchNormalizationForm:
 
     def _fold(self, inputs, mask, mean, variance):
         """Replica context: this micro-batch into this replica's sums."""
-        dtype = self.window_sum.dtype
-        rank = len(inputs.shape)
-        axes = [a for a in range(rank) if a != self.axis % rank]
-        if mask is None:
-            channels = self.window_sum.shape[0]
-            items = tf.size(inputs, out_type=tf.int64) // channels
-            count = tf.fill([channels], tf.cast(items, dtype))
-        else:  # the count Keras's masked moments divide by
-            weights = ops.broadcast_to(ops.expand_dims(mask, axis=-1), ops.shape(inputs))
-            count = ops.sum(ops.cast(weights, dtype), axis=axes)
-        mean = tf.stop_gradient(ops.cast(mean, dtype))
-        variance = tf.stop_gradient(ops.cast(variance, dtype))
-        shifted = mean - ops.cast(self.moving_mean, dtype)  # mu_i - c
+        channels = self.window_sum.shape[0]
+        items = tf.size(inputs, out_type=tf.int64) // channels
+        terms = self._window_terms(inputs, mask, mean, variance, items)
         # S1 += n_i (mu_i - c); S2 += n_i (s_i^2 + (mu_i - c)^2); N += n_i
-        self.window_sum.assign_add(count * shifted)
-        self.window_square_sum.assign_add(count * (variance + shifted * shifted))
-        self.window_count.assign_add(count)
+        for total, term in zip([self.window_sum, self.window_square_sum, self.window_count], terms):
+            total.assign_add(term)
 
     def _end_window(self, keep=None):
         """Cross-replica, at a window's end (`on_window_end`): the sums of
