@@ -9,7 +9,7 @@ into one kernel and, in replica context, each replica writes its own copy.
 
 | optimizer                | fold                                     |
 |--------------------------|------------------------------------------|
-| `GradientAccumulation`   | `window_sum` (dense and sparse)          |
+| `GradientAccumulation`   | `add_to_window` (dense and sparse)       |
 | `InvariantAdam`          | `fold_moments`, `fold_rows` (sparse),    |
 |                          | `keras_moments` (one micro-batch a window: |
 |                          | Keras Adam's own form and rounding)      |
@@ -21,7 +21,7 @@ from keras_accum._backend import tf
 from keras_accum._execution import where
 
 
-def window_sum(state, value, start):
+def add_to_window(state, value, start):
     """S = value at the window's start, else S + value, in place.
 
     `value`: a tensor, a `tf.IndexedSlices` (its rows are added where they

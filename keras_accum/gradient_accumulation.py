@@ -202,7 +202,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
             # Traced (JAX): a bad micro-batch adds zeros to S (kept finite)
             # and NaN to W, which the window's end reads as "drop" (a
             # scalar, not a read of S on every micro-step).
-            ok = kernels.all_finite(grads)
+            ok = kernels.finite(grads)
             share = kernels.masked(ok, share, ops.convert_to_tensor(float("nan"), "float32"))
         if ok is False:
             # Eager: a skipped micro-batch adds nothing (and no weight); the
@@ -229,7 +229,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         if self.nonfinite == "skip_window" and kernels.EAGER:
             # Eager, at the window's end only: its sums hold a NaN or an Inf
             # when any of its micro-batches did.
-            return kernels.all_finite([ops.convert_to_tensor(a) for a in self._accumulators])
+            return kernels.finite([ops.convert_to_tensor(a) for a in self._accumulators])
         if self.nonfinite == "skip_window":
             return ops.isfinite(ops.convert_to_tensor(self._weight))
         if self.nonfinite == "skip_micro_batch":

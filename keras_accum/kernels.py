@@ -70,7 +70,7 @@ def flag(condition, dtype):
     return ops.cast(condition, dtype)
 
 
-def all_finite(grads):
+def finite(grads):
     """True when no gradient holds a NaN or an Inf (exact).
 
     Eagerly (PyTorch) a NaN or an Inf propagates into a sum: one reduction

@@ -300,26 +300,6 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
             old = ops.convert_to_tensor(variable)
             variable.assign(ops.where(write, ops.cast(new, old.dtype), old))
 
-    def load_own_variables(self, store):
-        # A file saved on another backend: TensorFlow saves no window
-        # counters (they load here at zero: the layer's next window starts
-        # at the next training call), JAX and PyTorch save three more
-        # (TensorFlow counts with the optimizer's and leaves them out).
-        own = _compat.layer_own_variables(self)
-        counters = self._counters()
-        saved = len(store.keys())
-        if counters and saved == len(own) - len(counters):
-            for i, variable in enumerate(own[:saved]):
-                variable.assign(store[f"{i}"])
-            for variable in counters:
-                variable.assign(ops.zeros((), variable.dtype))
-            return
-        if not counters and saved == len(own) + 3:
-            for i, variable in enumerate(own):
-                variable.assign(store[f"{i}"])
-            return
-        super().load_own_variables(store)
-
 
 def attach(model: keras.Layer, optimizer: keras.optimizers.Optimizer | None) -> list:
     """Makes the `keras_accum.layers.BatchNormalization` layers of `model`

@@ -116,7 +116,7 @@ def apply(optimizer, grads, variables, weight, overwrite):
         optimizer.nonfinite == "skip_window" and not optimizer._checks_window_sums
     )
     if screens:
-        ok = decided(kernels.all_finite(grads))
+        ok = decided(kernels.finite(grads))
         if optimizer.nonfinite == "raise":
             if not bool(ok):  # eager (PyTorch): one line, as `nonfinite.explained` gives
                 step = int(ops.convert_to_numpy(optimizer._micro_step)) + 1

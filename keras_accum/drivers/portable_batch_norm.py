@@ -34,8 +34,19 @@ class BatchNormalizationForm:
             for name in COUNTERS:
                 setattr(self, name, keras.Variable(name=name, **counter))
 
-    def _counters(self):
-        return [getattr(self, name) for name in COUNTERS if hasattr(self, name)]
+    def load_own_variables(self, store):
+        # A file saved on TensorFlow holds no window counters: they load at
+        # zero (the layer's next window starts at its next training call).
+        own = _compat.layer_own_variables(self)
+        counters = [getattr(self, name) for name in COUNTERS if hasattr(self, name)]
+        saved = len(store.keys())
+        if counters and saved == len(own) - len(counters):
+            for i, variable in enumerate(own[:saved]):
+                variable.assign(store[f"{i}"])
+            for variable in counters:
+                variable.assign(ops.zeros((), variable.dtype))
+            return
+        super().load_own_variables(store)
 
     def _calling_model(self):
         return _compat.training_model()

@@ -24,8 +24,15 @@ class BatchNormalizationForm:
     def _build_counters(self):
         return None  # the optimizer counts the windows (`keras_accum.window`)
 
-    def _counters(self):
-        return []
+    def load_own_variables(self, store):
+        # A file saved on JAX or PyTorch holds three window counters more
+        # (TensorFlow counts with the optimizer's): they are left out.
+        own = _compat.layer_own_variables(self)
+        if len(store.keys()) == len(own) + 3:
+            for i, variable in enumerate(own):
+                variable.assign(store[f"{i}"])
+            return
+        super().load_own_variables(store)
 
     def _calling_model(self):
         return _compat.calling_model()

@@ -50,8 +50,8 @@ class GradientAccumulationForm:
             # with w. A skipped micro-batch (ok False) adds nothing, and
             # leaves S_r = 0, W_r = 0 at the window's start.
             for a, wg in zip(accumulators, grads):
-                folds.window_sum(a, wg if ok else None, start)
-            folds.window_sum(self._weight, share if ok else None, start)
+                folds.add_to_window(a, wg if ok else None, start)
+            folds.add_to_window(self._weight, share if ok else None, start)
 
         _execution.by_condition(fold, start, None if xla else ok)
 
@@ -112,7 +112,7 @@ class GradientAccumulationForm:
         def reset():  # no NaN left behind (the next window overwrites them)
             if not _execution.in_xla():  # the drop branch of a `cond`: S_r may hold NaN
                 for a in accumulators + [self._weight]:
-                    folds.window_sum(a, None, True)
+                    folds.add_to_window(a, None, True)
             elif dropped is None:  # XLA, a `cond` (replicas): S_r stayed finite
                 self._weight.assign(0.0)
             else:  # XLA, every micro-step: W_r is NaN after a bad micro-batch
