@@ -24,6 +24,7 @@ Two reliances on Keras internals cannot live here, as they are not calls:
 
 import contextlib
 import sys
+import weakref
 
 from keras_accum._backend import tf
 
@@ -290,6 +291,21 @@ def layer_own_variables(layer):
     its sub-layers' left out): `layers.BatchNormalization` loads files of
     another backend with more or fewer counters. Checked on Keras 3.8-3.15."""
     return layer._trainable_variables + layer._non_trainable_variables
+
+
+def write_stamp(tensor):
+    """(a weak reference to `tensor`, its in-place write count) of a
+    PyTorch tensor: `_version` is torch's own counter of in-place writes
+    (what autograd checks saved tensors with; Keras's PyTorch `assign` is
+    an in-place `copy_`). Checked on PyTorch 2.5-2.13."""
+    return weakref.ref(tensor), tensor._version
+
+
+def unwritten_since(stamp, tensor):
+    """True when `tensor` is the tensor of `stamp` and nothing wrote it in
+    place since (`write_stamp`)."""
+    reference, version = stamp
+    return reference() is tensor and tensor._version == version
 
 
 def in_stateless_scope():

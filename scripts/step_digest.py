@@ -1,11 +1,22 @@
-"""What a refactor did to the traced train step: one line per optimizer,
-mode and model size with a digest of the step's operations (the multiset
-of TensorFlow op types in graph mode, function library included; of the
-optimized HLO opcodes under XLA) and their count. Two checkouts that print
-the same lines run the same operations, so their speed cannot differ by
-the code (BENCHMARKS_HISTORY.md, "Same step, op for op"). About a minute:
+"""What a refactor did to the train step: one line per optimizer, mode and
+model size with a digest of the step's operations and their count. Two
+checkouts that print the same lines run the same operations, so their
+speed cannot differ by the code (BENCHMARKS_HISTORY.md, "Same step, op
+for op"). The backend is `KERAS_BACKEND`'s (TensorFlow when unset):
+
+* TensorFlow: the multiset of op types of the traced step in graph mode
+  (function library included), and of the optimized HLO opcodes under XLA.
+* JAX: the optimized HLO opcodes of a jitted step (`stateless_call`, the
+  gradient, `stateless_apply`).
+* PyTorch (eager): the `aten::` operators dispatched over 8 micro-steps
+  (two windows) of `apply`, counted by `torch.profiler`; the last column
+  is the host syncs among them (`aten::_local_scalar_dense`, a tensor read
+  as a Python number).
+
+About a minute:
 
     python scripts/step_digest.py > after.txt   # in each checkout, then diff
+    KERAS_BACKEND=torch python scripts/step_digest.py
 """
 
 import collections
@@ -70,13 +81,92 @@ def digest(name, xla, size):
     return hashlib.sha1(text.encode()).hexdigest()[:12], sum(ops.values())
 
 
+def _model(size):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((32,)), keras.layers.Dense(size, activation="relu")]
+    return keras.Sequential(layers + [keras.layers.Dense(10)])
+
+
+def _hlo_opcodes(hlo):
+    return collections.Counter(m.group(1) for m in re.finditer(r"= \S+ (\w[\w-]*)\(", hlo))
+
+
+def _hashed(ops):
+    text = ";".join(f"{op}:{count}" for op, count in sorted(ops.items()))
+    return hashlib.sha1(text.encode()).hexdigest()[:12], sum(ops.values())
+
+
+def digest_jax(name, size):
+    import jax
+    import keras
+    import numpy as np
+
+    import keras_accum as ka
+
+    model = _model(size)
+    optimizer = OPTIMIZERS[name](ka, keras)
+    optimizer.build(model.trainable_variables)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def loss_of(trainable, non_trainable, x, y):
+        out, _ = model.stateless_call(trainable, non_trainable, x, training=True)
+        return loss(y, out)
+
+    @jax.jit
+    def step(trainable, non_trainable, optimizer_variables, x, y):
+        grads = jax.grad(loss_of)(trainable, non_trainable, x, y)
+        return optimizer.stateless_apply(optimizer_variables, grads, trainable)
+
+    values = lambda variables: [v.value for v in variables]
+    args = (
+        values(model.trainable_variables),
+        values(model.non_trainable_variables),
+        values(optimizer.variables),
+        np.zeros((8, 32), "float32"),
+        np.zeros((8,), "int32"),
+    )
+    return _hashed(_hlo_opcodes(step.lower(*args).compile().as_text()))
+
+
+def digest_torch(name, size):
+    import keras
+    import torch
+    from keras import ops
+
+    import keras_accum as ka
+
+    model = _model(size)
+    optimizer = OPTIMIZERS[name](ka, keras)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    grads = [ops.ones_like(v) * 0.01 for v in variables]
+    optimizer.apply(grads, variables)  # first call: anything lazy happens here
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(8):
+            optimizer.apply(grads, variables)
+    counts = collections.Counter()
+    for event in profile.key_averages():
+        if event.key.startswith("aten::"):
+            counts[event.key] += event.count
+    return (*_hashed(counts), counts["aten::_local_scalar_dense"])
+
+
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
+    backend = os.environ["KERAS_BACKEND"]
     for name in OPTIMIZERS:
-        for xla in (False, True):
-            for size in FLAGS.sizes:
-                print(name, "xla" if xla else "graph", size, *digest(name, xla, int(size)))
+        for size in FLAGS.sizes:
+            if backend == "jax":
+                print(name, "jax", size, *digest_jax(name, int(size)))
+            elif backend == "torch":
+                print(name, "torch", size, *digest_torch(name, int(size)))
+            else:
+                for xla in (False, True):
+                    print(name, "xla" if xla else "graph", size, *digest(name, xla, int(size)))
 
 
 if __name__ == "__main__":

@@ -110,7 +110,13 @@ def apply(optimizer, grads, variables, weight, overwrite):
             "Received: nonfinite='raise'"
         )
     grads = [ops.convert_to_tensor(g) for g in grads]
-    start = decided(optimizer._start_window())
+    # PyTorch, an int `steps`: the window's start and end from the count
+    # held in Python (`host_micro_step`), no read of the device.
+    step = host_micro_step(optimizer)
+    if step is None:
+        start = decided(optimizer._start_window())
+    else:
+        start = step % optimizer.steps == 0
     ok = True
     screens = optimizer.nonfinite in ("skip_micro_batch", "raise") or (
         optimizer.nonfinite == "skip_window" and not optimizer._checks_window_sums
@@ -125,17 +131,56 @@ def apply(optimizer, grads, variables, weight, overwrite):
                 )
             ok = True
         else:
-            bad = 1 - flag(ok, _backend.INT)
-            optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + bad)
-            window_bad = masked(start, ops.zeros((), _backend.INT), optimizer._window_bad)
-            optimizer._window_bad.assign(window_bad + bad)
+            count_bad(optimizer, start, ok)
     optimizer._fold(grads, variables, weight, start, ok)
     micro_step = ops.convert_to_tensor(optimizer._micro_step) + 1
     optimizer._micro_step.assign(micro_step)
-    boundary = True if optimizer.steps == 1 else decided(optimizer._window_done(micro_step))
+    if step is not None:
+        boundary = (step + 1) % optimizer.steps == 0
+        optimizer.__dict__["_host_micro_step"] = (
+            _compat.write_stamp(optimizer._micro_step.value),
+            step + 1,
+        )
+    elif optimizer.steps == 1:
+        boundary = True
+    else:
+        boundary = decided(optimizer._window_done(micro_step))
     for grad, variable in overwrite:  # float8 scales: the last gradient
         variable.assign(masked(boundary, ops.cast(grad, variable.dtype), variable))
     end_window(optimizer, variables, boundary)
+
+
+def host_micro_step(optimizer):
+    """`micro_step` as a Python int where PyTorch runs the step eagerly
+    with an int `steps` (else None): held in Python since this driver last
+    wrote it, read from the device (a sync) only when something else wrote
+    it since (a load, a restore, `assign`) or inside a `StatelessScope`."""
+    if not kernels.EAGER or not isinstance(optimizer.steps, int):
+        return None
+    if _compat.in_stateless_scope():
+        return None
+    value = optimizer._micro_step.value
+    held = optimizer.__dict__.get("_host_micro_step")
+    if held is not None and _compat.unwritten_since(held[0], value):
+        return held[1]
+    return int(value)
+
+
+def count_bad(optimizer, start, ok):
+    """A skipped micro-batch counted (`ok` False), and in the window's
+    `window_bad`; eagerly (Python bools) nothing is written for a good
+    micro-batch inside a window."""
+    if isinstance(ok, bool) and isinstance(start, bool):
+        if not ok:
+            optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + 1)
+        if start or not ok:
+            before = 0 if start else ops.convert_to_tensor(optimizer._window_bad)
+            optimizer._window_bad.assign(before + (0 if ok else 1))
+        return
+    bad = 1 - flag(ok, _backend.INT)
+    optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + bad)
+    window_bad = masked(start, ops.zeros((), _backend.INT), optimizer._window_bad)
+    optimizer._window_bad.assign(window_bad + bad)
 
 
 def end_window(optimizer, variables, boundary):

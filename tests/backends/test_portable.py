@@ -205,6 +205,30 @@ def test_partial_window_pending():
     assert bool(keras.ops.convert_to_numpy(opt.has_updated())) is False
 
 
+@pytest.mark.parametrize("write", ["assign", "set_weights"])
+def test_a_micro_step_written_from_outside_is_read_again(write):
+    # PyTorch holds the count in Python between its own writes
+    # (`drivers.portable.host_micro_step`); a restore must be seen. Back at
+    # micro-step 0 after 2 of a window of 3, the next micro-batch starts a
+    # window: no update (a stale count of 2 would end one).
+    opt = ka.UpdateAccumulationAdam(0.01, steps=3)
+    params = variables()
+    stream = [[keras.ops.convert_to_tensor(g) for g in grads] for grads in gradient_stream(3)]
+    opt.build(params)
+    fresh = [keras.ops.convert_to_numpy(v) for v in opt.variables]
+    for grads in stream[:2]:
+        opt.apply(grads, params)
+    assert opt.pending_micro_batches() == 2
+    if write == "assign":
+        for variable, value in zip(opt.variables, fresh):
+            variable.assign(value)
+    else:
+        opt.set_weights(fresh)
+    opt.apply(stream[2], params)
+    assert opt.pending_micro_batches() == 1
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 0
+
+
 # -- model.fit --------------------------------------------------------------------
 
 
