@@ -91,6 +91,13 @@ if IN_PLACE:
     import torch
 
 
+def compiling():
+    """True while `torch.compile` traces the step (a `model.compile` with
+    `jit_compile=True` under PyTorch): a count read as a number there is
+    symbolic, not a Python int."""
+    return IN_PLACE and torch.compiler.is_compiling()
+
+
 def _in_place():
     """PyTorch, outside a `keras.StatelessScope` (whose writes go to the
     scope: `stateless_apply` must leave the variables as they are)."""

@@ -154,10 +154,11 @@ def host_micro_step(optimizer):
     """`micro_step` as a Python int where PyTorch runs the step eagerly
     with an int `steps` (else None): held in Python since this driver last
     wrote it, read from the device (a sync) only when something else wrote
-    it since (a load, a restore, `assign`) or inside a `StatelessScope`."""
+    it since (a load, a restore, `assign`); None inside a `StatelessScope`
+    or while `torch.compile` traces (the count would be symbolic there)."""
     if not kernels.EAGER or not isinstance(optimizer.steps, int):
         return None
-    if _compat.in_stateless_scope():
+    if _compat.in_stateless_scope() or kernels.compiling():
         return None
     value = optimizer._micro_step.value
     held = optimizer.__dict__.get("_host_micro_step")

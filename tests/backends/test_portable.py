@@ -254,6 +254,25 @@ def fitted(optimizer, batch_size, epochs=2):
     return net
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile is PyTorch's")
+@pytest.mark.parametrize("make", [ka.UpdateAccumulationAdam, ka.InvariantAdam])
+def test_torch_compile_fit_equals_eager(make):
+    # jit_compile=True (a model compiled so under JAX and loaded here keeps
+    # it): the step is traced by torch.compile, where the driver reads the
+    # window's bounds from the device (its Python count would be symbolic).
+    x, y = data()
+    nets = []
+    for jit_compile in (False, True):
+        net = model()
+        net.compile(optimizer=make(0.01, steps=2), loss="mse", jit_compile=jit_compile)
+        net.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        nets.append(net)
+    eager, compiled = nets
+    assert int(keras.ops.convert_to_numpy(compiled.optimizer.iterations)) == 4
+    for a, b in zip(eager.get_weights(), compiled.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("inner", ["sgd", "adam"])
 def test_fit_equals_big_batch(inner):
     make = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
