@@ -78,3 +78,13 @@ myst_heading_anchors = 3
 html_theme = "alabaster"
 html_title = f"keras_accum {release}"
 html_static_path = []
+
+
+def _hide_backend_forms(app, name, obj, options, bases):
+    # `InvariantAdam(drivers.InvariantAdamForm, AdamFamily)`: the form is how
+    # one backend runs the rule (docs/ARCHITECTURE.md), not part of the API.
+    bases[:] = [b for b in bases if not b.__module__.startswith("keras_accum.drivers")]
+
+
+def setup(app):
+    app.connect("autodoc-process-bases", _hide_backend_forms)
