@@ -1,0 +1,112 @@
+"""Batch-size warmups against a decayed kappa = 1 (issue #42): the WSD
+schedule by hand, the config's checks, and every number of
+docs/BATCH_SIZE_SCHEDULES.md's "against the recipe people use" section
+recomputed from the committed files (no training, no network)."""
+
+import csv
+import gzip
+import pathlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_accum.experiments import config as cfg
+from keras_accum.experiments import controls_report, experiment, schedules_controls
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DECAY = ROOT / "docs/batch_size_schedules/decay"
+CONTROLS = ROOT / "docs/batch_size_schedules/controls"
+DOC = ROOT / "docs/BATCH_SIZE_SCHEDULES.md"
+CONFIG = ROOT / "saved_configs/schedule_cosine.py"
+
+
+def _doc_words():
+    return " ".join(DOC.read_text().split())
+
+
+def test_wsd_is_constant_then_linear_to_zero():
+    peak = tf.Variable(2.0)
+    wsd = schedules_controls.WarmupStableDecay(peak, 100, decay=0.2)
+    got = [float(wsd(t)) for t in (0, 79, 80, 90, 100, 150)]
+    assert got == pytest.approx([2.0, 2.0, 2.0, 1.0, 0.0, 0.0])
+    assert wsd.get_config() == {"peak": 2.0, "total": 100, "decay": 0.2}
+
+
+def test_config_variants_resolve_and_bad_arms_are_refused():
+    for variant in ("tune", "cosine", "spike", "smoke"):
+        schedules_controls.resolve_config(experiment.load_config_file(CONFIG, variant))
+    base = experiment.load_config_file(CONFIG, "smoke")
+    for arm, message in (
+        ({"steps": 1, "decay": "linear"}, "`decay` must be one of"),
+        ({"steps": 4, "ramp": 32}, "`ramp` is an int, with a piecewise `steps` only"),
+    ):
+        with pytest.raises(cfg.ConfigError, match=message):
+            schedules_controls.resolve_config({**base, "arms": {"x": arm}})
+
+
+def test_tuned_learning_rates_and_decay_recompute_from_the_validation_losses():
+    """The config's lrs and decay are the best final val_loss of the
+    committed tuning runs (6 lrs x 3 seeds per decay), and the docs'
+    tuning table is the one the report computes."""
+    module = experiment.load_config_file(CONFIG, "cosine")
+    tune = DECAY / "tune"
+    best = {d: controls_report.best_learning_rate(tune, f"kappa=1 {d}") for d in ("cosine", "wsd")}
+    assert module["learning_rates"] == [best["wsd"]]
+    assert module["arms"]["kappa=1 cosine"]["learning_rates"] == [best["cosine"]]
+    table = controls_report.tuning_table(tune)
+    rows = table.splitlines()[2:]
+    assert len(rows) == 12 and all("| 3 |" in r for r in rows)
+    doc = DOC.read_text()
+    for row in rows:
+        assert row in doc, row
+
+
+def _finals(arm):
+    finals = {}
+    with gzip.open(DECAY / "runs.csv.gz", "rt", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["arm"] == arm and row["rerun"] == "0":
+                finals[int(row["seed"])] = float(row["test_loss"])  # the last row wins
+    return finals
+
+
+def test_docs_decay_tables_recompute_from_the_committed_files():
+    """Every row of both tables (against WSD and cosine kappa = 1) is in
+    the docs, and the threshold line from csv and numpy alone."""
+    doc = DOC.read_text()
+    for reference in ("kappa=1 wsd", "kappa=1 cosine"):
+        t, sigma, entries = controls_report.controls_table(DECAY, reference)
+        text = controls_report.table_markdown(t, sigma, entries, reference)
+        rows = [x for x in text.splitlines() if x.startswith("| ") and "| arm |" not in x]
+        assert len(rows) >= 2 * len(entries)
+        missing = [x for x in rows if x not in doc]
+        assert not missing, missing
+    finals = list(_finals("kappa=1 wsd").values())
+    assert len(finals) == 8
+    line = (
+        f"T = {np.mean(finals):.4f} (mean final test loss of kappa=1 wsd), "
+        f"sigma = {np.std(finals, ddof=1):.4f}"
+    )
+    assert line in doc
+
+
+def test_docs_spike_tables_recompute_from_the_committed_files():
+    """The jump one evaluation after the switch, per seed, before (no ramp)
+    and after (the ramp): at the tuned lr with WSD (one folder), and at the
+    controls' constant 3e-3 against the controls' kappa = 1."""
+    doc = DOC.read_text()
+    text = controls_report.spike_markdown(controls_report.folder_spikes(DECAY))
+    constant = controls_report.read_csv(CONTROLS / "runs.csv")
+    ramp = controls_report.read_csv(DECAY / "spike/runs.csv")
+    spikes = {
+        "1->4 at 512": controls_report.switch_spikes(constant, "1->4 at 512", "kappa=1", 8192),
+        "1->4 at 512 ramp": controls_report.switch_spikes(
+            ramp, "1->4 at 512 ramp", "kappa=1", 8192, reference_rows=constant
+        ),
+    }
+    text += controls_report.spike_markdown(spikes)
+    rows = [x for x in text.splitlines() if x.startswith("| ") and "| arm |" not in x]
+    assert len(rows) >= 4
+    missing = [x for x in rows if x not in doc]
+    assert not missing, missing
