@@ -17,6 +17,9 @@ fixed before any run of this one.
     spike: the switch 1 -> 4 at 512 at the controls' constant lr 3e-3,
     with a kappa ramp (1 -> 2 -> 3 -> 4 over 128 micro-steps), seeds 0-7;
     the spike before is in docs/batch_size_schedules/controls.
+    lr_ramp: the switch 1 -> 4 at 512 with the tuned decay, kappa switched
+    at once but the per-update lr ramped from 1x to 4x over 128 micro-steps
+    through the lr schedule (the optimizer-side alternative to the ramp).
     smoke: a few micro-batches, every kind of arm.
 
     taskset -c 1 python3 scripts/schedule_controls.py --config saved_configs/schedule_cosine.py \
@@ -27,7 +30,7 @@ TUNED = {"cosine": 6e-3, "wsd": 6e-3}  # kappa = 1: best mean final val_loss of 
 DECAY = "wsd"  # the better decay of `tune`: 0.4645 against cosine's 0.4697 (val_loss)
 RAMP = 128  # micro-steps: 1 -> 2 at the boundary, 3 at +64, 4 at +128
 
-VARIANTS = ("tune", "cosine", "spike", "smoke")
+VARIANTS = ("tune", "cosine", "spike", "lr_ramp", "smoke")
 # 8.5e-3 was added (a second process, `--set '{"learning_rates": [8.5e-3]}'`)
 # when 6e-3, the grid's edge, came out best for both decays; it is worse for both.
 GRID = [1.5e-3, 2.1e-3, 3e-3, 4.2e-3, 6e-3, 8.5e-3]
@@ -94,6 +97,18 @@ def get_config(variant="cosine"):
             learning_rates=[3e-3],
             arms={"1->4 at 512 ramp": {"steps": [[512], [1, 4]], "ramp": RAMP}},
         )
+    elif variant == "lr_ramp":
+        config.update(
+            seeds=list(range(8)),
+            learning_rates=[TUNED[DECAY]],
+            arms={
+                f"1->4 at 512 lr ramp {DECAY}": {
+                    "steps": [[512], [1, 4]],
+                    "lr_ramp": RAMP,
+                    "decay": DECAY,
+                }
+            },
+        )
     else:
         config.update(
             seeds=[0],
@@ -107,6 +122,7 @@ def get_config(variant="cosine"):
                     "ramp": 32,
                     "decay": "cosine",
                 },
+                "1->4 at 16 lr ramp": {"steps": [[16], [1, 4]], "lr_ramp": 32},
                 "adaptive preconditioned cosine": {
                     "steps": "adaptive",
                     "estimate": "adam_preconditioned",
