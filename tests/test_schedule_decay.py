@@ -33,13 +33,21 @@ def test_wsd_is_constant_then_linear_to_zero():
     assert wsd.get_config() == {"peak": 2.0, "total": 100, "decay": 0.2}
 
 
+def test_switch_lr_ramp_takes_the_per_update_lr_from_1x_to_kx():
+    inner = schedules_controls.Constant(tf.Variable(1.0))
+    ramp = schedules_controls.SwitchLrRamp(inner, at=512, ramp=128, ratio=4)
+    got = [float(ramp(t)) for t in (0, 511, 512, 576, 640, 1000)]
+    assert got == pytest.approx([1.0, 1.0, 0.25, 0.625, 1.0, 1.0])
+
+
 def test_config_variants_resolve_and_bad_arms_are_refused():
-    for variant in ("tune", "cosine", "spike", "smoke"):
+    for variant in ("tune", "cosine", "spike", "lr_ramp", "smoke"):
         schedules_controls.resolve_config(experiment.load_config_file(CONFIG, variant))
     base = experiment.load_config_file(CONFIG, "smoke")
     for arm, message in (
         ({"steps": 1, "decay": "linear"}, "`decay` must be one of"),
         ({"steps": 4, "ramp": 32}, "`ramp` is an int, with a piecewise `steps` only"),
+        ({"steps": [[16], [2, 4]], "lr_ramp": 32}, "`lr_ramp` needs a piecewise `steps` 1 -> k"),
     ):
         with pytest.raises(cfg.ConfigError, match=message):
             schedules_controls.resolve_config({**base, "arms": {"x": arm}})
