@@ -431,14 +431,14 @@ def spike_markdown(spikes):
     """Markdown: per arm ({arm: {seed: (jump, peak)}}) the jump one
     evaluation after its switch and the peak, per seed, and their medians."""
     lines = [
-        "| arm | jump one evaluation after the switch, per seed | median (range) | "
-        f"peak over {SPIKE_EVALUATIONS} evaluations: median (range) |",
+        f"| arm | per seed: jump one evaluation after the switch / peak over {SPIKE_EVALUATIONS} "
+        "| jump: median (range) | peak: median (range) |",
         "|---|---|---|---|",
     ]
     for arm, per_seed in spikes.items():
         jumps = [j for j, _ in per_seed.values()]
         peaks = [p for _, p in per_seed.values()]
-        cells = ", ".join(f"{s}: {j:+.3f}" for s, (j, _) in sorted(per_seed.items()))
+        cells = ", ".join(f"{s}: {j:+.3f} / {p:+.3f}" for s, (j, p) in sorted(per_seed.items()))
         lines.append(
             f"| {arm} | {cells} | {np.median(jumps):+.3f} ({min(jumps):+.3f} to "
             f"{max(jumps):+.3f}) | {np.median(peaks):+.3f} ({min(peaks):+.3f} to "
