@@ -114,8 +114,19 @@ def test_docs_spike_tables_recompute_from_the_committed_files():
         ),
     }
     text += controls_report.spike_markdown(spikes)
+    lr_ramp = "1->4 at 512 lr ramp wsd"
+    spikes = {
+        lr_ramp: controls_report.switch_spikes(
+            controls_report.read_csv(DECAY / "lr_ramp/runs.csv"),
+            lr_ramp,
+            "kappa=1 wsd",
+            8192,
+            reference_rows=controls_report.read_csv(DECAY / "runs.csv"),
+        )
+    }
+    text += controls_report.spike_markdown(spikes)
     rows = [x for x in text.splitlines() if x.startswith("| ") and "| arm |" not in x]
-    assert len(rows) >= 4
+    assert len(rows) >= 6
     missing = [x for x in rows if x not in doc]
     assert not missing, missing
 
