@@ -407,12 +407,14 @@ def _text(value):
     return value
 
 
-def switch_spikes(rows, arm, reference, switch_examples, reference_rows=None):
+def switch_spikes(
+    rows, arm, reference, switch_examples, reference_rows=None, evaluations=SPIKE_EVALUATIONS
+):
     """{seed: (jump, peak)} of `arm` against `reference` (kappa = 1, the same
     seeds, lr and decay; in `reference_rows` if given, else in `rows`):
     `jump` = test loss of `arm` minus that of `reference` at the first
     evaluation after `switch_examples` (where the window first grows),
-    `peak` = the largest such difference over the `SPIKE_EVALUATIONS`
+    `peak` = the largest such difference over the `evaluations`
     evaluations after it."""
     mine = arm_curves(rows, arm)
     theirs = arm_curves(reference_rows if reference_rows is not None else rows, reference)
@@ -421,17 +423,17 @@ def switch_spikes(rows, arm, reference, switch_examples, reference_rows=None):
         if seed not in theirs:
             continue
         ref = {p["examples"]: p["test_loss"] for p in theirs[seed]}
-        after = [p for p in points if p["examples"] > switch_examples][:SPIKE_EVALUATIONS]
+        after = [p for p in points if p["examples"] > switch_examples][:evaluations]
         diffs = [p["test_loss"] - ref[p["examples"]] for p in after]
         out[seed] = (diffs[0], max(diffs))
     return out
 
 
-def spike_markdown(spikes):
+def spike_markdown(spikes, evaluations=SPIKE_EVALUATIONS):
     """Markdown: per arm ({arm: {seed: (jump, peak)}}) the jump one
     evaluation after its switch and the peak, per seed, and their medians."""
     lines = [
-        f"| arm | per seed: jump one evaluation after the switch / peak over {SPIKE_EVALUATIONS} "
+        f"| arm | per seed: jump one evaluation after the switch / peak over {evaluations} "
         "| jump: median (range) | peak: median (range) |",
         "|---|---|---|---|",
     ]
