@@ -125,8 +125,26 @@ def test_docs_spike_tables_recompute_from_the_committed_files():
         )
     }
     text += controls_report.spike_markdown(spikes)
+    # Over 12 evaluations, with the 256 ramp run afterwards.
+    main = controls_report.read_csv(DECAY / "runs.csv")
+    arms = ("1->4 at 512 wsd", "1->2->4 at 512, 1024 wsd", "1->4 at 512 ramp wsd")
+    spikes = {
+        a: controls_report.switch_spikes(main, a, "kappa=1 wsd", 8192, evaluations=12) for a in arms
+    }
+    ramp256 = "1->4 at 512 ramp 256 wsd"
+    spikes[ramp256] = controls_report.switch_spikes(
+        controls_report.read_csv(DECAY / "ramp256/runs.csv"),
+        ramp256,
+        "kappa=1 wsd",
+        8192,
+        reference_rows=main,
+        evaluations=12,
+    )
+    text += controls_report.spike_markdown(spikes, 12)
+    smooth = sum(p < 0.1 for _, p in spikes[ramp256].values())
+    assert f"256 micro-steps is smooth at 6e-3 in {smooth} of 8." in _doc_words()
     rows = [x for x in text.splitlines() if x.startswith("| ") and "| arm |" not in x]
-    assert len(rows) >= 6
+    assert len(rows) >= 10
     missing = [x for x in rows if x not in doc]
     assert not missing, missing
 
