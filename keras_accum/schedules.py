@@ -96,6 +96,15 @@ class PiecewiseSteps(StepsSchedule):
     value. Two boundaries that round to the same micro-step are refused
     (the value between them would never be used).
 
+    With `ramp` > 0 (in `unit`), a switch from a to b goes through every
+    integer between them, one at a time, equally spaced from the boundary
+    (the first step: a + 1 there) to boundary + `ramp` (b from there), like
+    Megatron's `--rampup-batch-size`; switches between neighbours (1 -> 2)
+    are unchanged. Under InvariantAdam's `"fixed_beta_1"` (lr x kappa) a
+    jump 1 -> 4 multiplies the per-update step by 4 at once; the ramp
+    spreads that over the ramp (docs/BATCH_SIZE_SCHEDULES.md measures the
+    loss spike it removes). `micro_step_boundaries` lists every step.
+
     Example:
         kappa = 1 for 2000 micro-steps, then 4, then 16 from micro-step 8000:
 
@@ -113,6 +122,12 @@ class PiecewiseSteps(StepsSchedule):
         >>> steps.micro_step_boundaries
         [2000, 8000]
 
+        1 -> 4 at micro-step 512 through 2 (from 512) and 3 (from 576):
+
+        >>> steps = keras_accum.PiecewiseSteps([512], [1, 4], ramp=128)
+        >>> steps.micro_step_boundaries
+        [512, 576, 640]
+
     Args:
         boundaries: strictly increasing integers >= 1, in `unit`.
         values: integers >= 1, one more than `boundaries`.
@@ -122,6 +137,9 @@ class PiecewiseSteps(StepsSchedule):
             examples one micro-step consumes over all replicas (>= 1).
         tokens_per_micro_batch: with `unit="tokens"` (and only then), the
             tokens one micro-step consumes over all replicas (>= 1).
+        ramp: integer >= 0, in `unit`: the length of each switch's ramp
+            through the integers between its values (0, the default: none);
+            it must end before the next boundary.
     """
 
     def __init__(
@@ -131,6 +149,7 @@ class PiecewiseSteps(StepsSchedule):
         unit: str = "micro_steps",
         micro_batch_size: int | None = None,
         tokens_per_micro_batch: int | None = None,
+        ramp: int = 0,
     ):
         self.unit = check_choice("unit", unit, UNITS)
         sizes = {
@@ -170,21 +189,47 @@ class PiecewiseSteps(StepsSchedule):
             raise ValueError(
                 f"`boundaries` must be strictly increasing. Received: boundaries={boundaries!r}"
             )
+        if isinstance(ramp, bool) or not is_integer(ramp) or ramp < 0:
+            raise ValueError(f"`ramp` must be an integer >= 0. Received: ramp={ramp!r}")
+        self.ramp = int(ramp)
+        ends = [b + self.ramp for b in self.boundaries]
+        if any(end >= b for end, b in zip(ends, self.boundaries[1:])):
+            raise ValueError(
+                f"`ramp` must end each switch before the next boundary ({self.unit}). "
+                f"Received: ramp={ramp!r}, boundaries={boundaries!r}"
+            )
+        # Every switch through the integers between, in `unit`: (boundary, value) pairs.
+        switches = [b for i, b in enumerate(self.boundaries) for b in self._ramp(i)]
         # The first micro-step s with s x per_micro_step >= b: ceil(b / per).
-        self.micro_step_boundaries = [-(-b // per_micro_step) for b in self.boundaries]
+        self.micro_step_boundaries = [-(-b // per_micro_step) for b, _ in switches]
+        self._values = [self.values[0]] + [v for _, v in switches]
         steps = self.micro_step_boundaries
         for i, (a, b) in enumerate(zip(steps, steps[1:])):
             if a == b:
                 raise ValueError(
-                    f"`boundaries` {self.boundaries[i]} and {self.boundaries[i + 1]} ({self.unit}) "
-                    f"both switch at micro-step {a} ({needed}={per_micro_step}), so "
-                    f"values[{i + 1}] would never be used. Received: boundaries={boundaries!r}"
+                    f"`boundaries` {switches[i][0]} and {switches[i + 1][0]} ({self.unit}"
+                    f"{', with the ramp' if self.ramp else ''}) both switch at micro-step {a}"
+                    f"{f' ({needed}={per_micro_step})' if needed else ''}, so a value would "
+                    f"never be used. Received: boundaries={boundaries!r}, ramp={ramp!r}"
                 )
         self.min_steps, self.max_steps = min(self.values), max(self.values)
 
+    def _ramp(self, i):
+        """[(boundary in `unit`, value)] of switch i: from values[i] to
+        values[i + 1] one integer at a time, the first step at the boundary,
+        the last at boundary + ramp, equally spaced (rounded down); without
+        a ramp, or between neighbours, one switch at the boundary."""
+        start, end, at = self.values[i], self.values[i + 1], self.boundaries[i]
+        n = abs(end - start)
+        if not self.ramp or n <= 1:
+            return [(at, end)]
+        sign = 1 if end > start else -1
+        # value start + j x sign from at + (j - 1) x ramp / (n - 1), j = 1..n
+        return [(at + (j - 1) * self.ramp // (n - 1), start + j * sign) for j in range(1, n + 1)]
+
     def __call__(self, micro_step):
         step = ops.cast(micro_step, _backend.INT)
-        values = ops.convert_to_tensor(self.values, _backend.INT)
+        values = ops.convert_to_tensor(self._values, _backend.INT)
         if not self.micro_step_boundaries:
             return values[0]
         # i = number of boundaries <= s
@@ -200,12 +245,17 @@ class PiecewiseSteps(StepsSchedule):
             return {}
         return {"unit": self.unit, needed: getattr(self, needed)}
 
+    def _extra_arguments(self):
+        """`unit` and its size, and `ramp` where not 0 (configs without
+        them load as before)."""
+        return {**self._unit_arguments(), **({"ramp": self.ramp} if self.ramp else {})}
+
     def get_config(self):
         config = {"boundaries": list(self.boundaries), "values": list(self.values)}
-        return {**config, **self._unit_arguments()}
+        return {**config, **self._extra_arguments()}
 
     def __repr__(self):
-        extra = "".join(f", {k}={v!r}" for k, v in self._unit_arguments().items())
+        extra = "".join(f", {k}={v!r}" for k, v in self._extra_arguments().items())
         return f"PiecewiseSteps(boundaries={self.boundaries}, values={self.values}{extra})"
 
 

@@ -36,6 +36,8 @@ from keras_accum.training import atomic
 
 REFERENCE = "kappa=1"
 COSINE = "kappa=1 cosine"  # the stronger baseline: a second threshold
+WSD = "kappa=1 wsd"  # warmup-stable-decay (issue #42)
+SPIKE_EVALUATIONS = 4  # `peak`: the largest jump over this many evaluations after a switch
 TRAILING = 3
 _FLOATS = (
     "learning_rate",
@@ -405,22 +407,87 @@ def _text(value):
     return value
 
 
+def switch_spikes(
+    rows, arm, reference, switch_examples, reference_rows=None, evaluations=SPIKE_EVALUATIONS
+):
+    """{seed: (jump, peak)} of `arm` against `reference` (kappa = 1, the same
+    seeds, lr and decay; in `reference_rows` if given, else in `rows`):
+    `jump` = test loss of `arm` minus that of `reference` at the first
+    evaluation after `switch_examples` (where the window first grows),
+    `peak` = the largest such difference over the `evaluations`
+    evaluations after it."""
+    mine = arm_curves(rows, arm)
+    theirs = arm_curves(reference_rows if reference_rows is not None else rows, reference)
+    out = {}
+    for seed, points in mine.items():
+        if seed not in theirs:
+            continue
+        ref = {p["examples"]: p["test_loss"] for p in theirs[seed]}
+        after = [p for p in points if p["examples"] > switch_examples][:evaluations]
+        diffs = [p["test_loss"] - ref[p["examples"]] for p in after]
+        out[seed] = (diffs[0], max(diffs))
+    return out
+
+
+def spike_markdown(spikes, evaluations=SPIKE_EVALUATIONS):
+    """Markdown: per arm ({arm: {seed: (jump, peak)}}) the jump one
+    evaluation after its switch and the peak, per seed, and their medians."""
+    lines = [
+        f"| arm | per seed: jump one evaluation after the switch / peak over {evaluations} "
+        "| jump: median (range) | peak: median (range) |",
+        "|---|---|---|---|",
+    ]
+    for arm, per_seed in spikes.items():
+        jumps = [j for j, _ in per_seed.values()]
+        peaks = [p for _, p in per_seed.values()]
+        cells = ", ".join(f"{s}: {j:+.3f} / {p:+.3f}" for s, (j, p) in sorted(per_seed.items()))
+        lines.append(
+            f"| {arm} | {cells} | {np.median(jumps):+.3f} ({min(jumps):+.3f} to "
+            f"{max(jumps):+.3f}) | {np.median(peaks):+.3f} ({min(peaks):+.3f} to "
+            f"{max(peaks):+.3f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def folder_spikes(workdir):
+    """{arm: switch_spikes} of each piecewise arm of a study folder against
+    the kappa = 1 arm of the same decay there, if it has one."""
+    config, rows, _, _ = load(workdir)
+    present = {r["arm"] for r in rows}
+    refs = {"constant": REFERENCE, "cosine": COSINE, "wsd": WSD}
+    out = {}
+    for name, spec in config["arms"].items():
+        reference = refs[spec.get("decay", "constant")]
+        if name in present and reference in present and isinstance(spec["steps"], list):
+            at = spec["steps"][0][0] * config["micro_batch_size"]
+            out[name] = switch_spikes(rows, name, reference, at)
+    return out
+
+
 def write_report(workdir):
     """summary.md and table.json of a finished (or partial) study folder."""
     workdir = pathlib.Path(workdir)
     config, rows, _, _ = load(workdir)
     parts = []
     arms = {r["arm"] for r in rows}
-    if REFERENCE in arms and len({r["learning_rate"] for r in rows if r["arm"] == REFERENCE}) == 1:
+    references = [
+        r
+        for r in (REFERENCE, COSINE, WSD)
+        if r in arms and len({x["learning_rate"] for x in rows if x["arm"] == r}) == 1
+    ]
+    if references:
         tables = {}
-        for reference in (REFERENCE, COSINE):
-            if reference not in arms:
-                continue
+        for reference in references:
             t, sigma, entries = controls_table(workdir, reference)
             parts += [f"## Controls against {reference} (test loss)\n"]
             parts += [table_markdown(t, sigma, entries, reference)]
             tables[reference] = {"T": t, "sigma": sigma, "arms": entries}
         atomic.atomic_write_text(workdir / "table.json", json.dumps(tables, indent=1) + "\n")
+    if references:
+        spikes = folder_spikes(workdir)
+        if spikes:
+            parts += ["## The switch: test loss minus kappa = 1's at the same examples\n"]
+            parts += [spike_markdown(spikes)]
     parts += ["## Final validation loss\n", tuning_table(workdir)]
     reruns = rerun_difference(rows)
     if reruns:

@@ -17,7 +17,16 @@ published result's `"fixed_beta_1"` by default):
   estimates of the same probe gradients are logged;
 * `"decay": "cosine"`: the learning rate falls as a cosine to zero over the
   arm's micro-batches (a schedule InvariantAdam evaluates at micro-batches
-  consumed), else constant;
+  consumed); `"wsd"`: warmup-stable-decay, constant then linearly to zero
+  over the last `wsd_decay` fraction of them (Hägele et al. 2024; no lr
+  warmup, like the cosine arm); else constant;
+* `"ramp"` (with a piecewise `steps`): `PiecewiseSteps(..., ramp=ramp)`, each
+  switch reached through the integers between (micro-steps);
+* `"lr_ramp"` (with a piecewise `steps` of one switch 1 -> k): the lr
+  schedule times 1/k at the switch, back to 1 linearly over `lr_ramp`
+  micro-steps: under `"fixed_beta_1"` the per-update lr goes from 1x to kx
+  kappa = 1's over the ramp instead of at once (what a ramp of the scaled
+  lr inside InvariantAdam would do, emulated through the lr schedule);
 * `"learning_rates"`, `"examples"`, `"seeds"`: the arm's own, else the
   study's.
 
@@ -90,11 +99,23 @@ FIELDS = [
         minimum=0,
         item=F("", "str", "x", ""),
     ),
+    cfg.fraction("wsd_decay", 0.2, "Fraction of a WSD arm's micro-batches spent decaying"),
     F("threads", "int", 1, "TensorFlow intra- and inter-op threads", minimum=1),
     F("deterministic", "bool", True, "TensorFlow op determinism"),
     F("verbose", "int", 1, "1: a line per run, 0: silent", choices=(0, 1)),
 ]
-_ARM_KEYS = {"steps", "decay", "learning_rates", "examples", "estimate", "adaptive", "seeds"}
+_ARM_KEYS = {
+    "steps",
+    "decay",
+    "learning_rates",
+    "examples",
+    "estimate",
+    "adaptive",
+    "seeds",
+    "ramp",
+    "lr_ramp",
+}
+DECAYS = ("constant", "cosine", "wsd")
 
 
 def _check_arms(c):
@@ -135,8 +156,14 @@ def _check_arms(c):
                 f"{ESTIMATES}) or [boundaries (multiples of {chunk} micro-steps), values]. "
                 f"Received: {arm!r}"
             )
-        if arm.get("decay", "constant") not in ("constant", "cosine"):
-            raise cfg.ConfigError(f"{where}: `decay` must be 'constant' or 'cosine'")
+        if arm.get("decay", "constant") not in DECAYS:
+            raise cfg.ConfigError(f"{where}: `decay` must be one of {DECAYS}")
+        if "ramp" in arm and (isinstance(steps, (int, str)) or not isinstance(arm["ramp"], int)):
+            raise cfg.ConfigError(f"{where}: `ramp` is an int, with a piecewise `steps` only")
+        if "lr_ramp" in arm and (
+            isinstance(steps, (int, str)) or len(steps[0]) != 1 or steps[1][0] != 1
+        ):
+            raise cfg.ConfigError(f"{where}: `lr_ramp` needs a piecewise `steps` 1 -> k")
     unknown = set(c["repeat"]) - set(c["arms"])
     if unknown:
         raise cfg.ConfigError(f"`repeat` names arms that do not exist: {sorted(unknown)}")
@@ -180,6 +207,58 @@ class CosineToZero(keras.optimizers.schedules.LearningRateSchedule):
         return {"peak": float(self.peak.numpy()), "total": self.total}
 
 
+@keras.saving.register_keras_serializable(package="keras_accum_experiments")
+class WarmupStableDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """`peak` (a variable) until `total` x (1 - `decay`), then linearly to 0
+    at `total` (the "stable" and "decay" phases of WSD; no lr warmup)."""
+
+    def __init__(self, peak, total, decay=0.2):
+        self.peak, self.total, self.decay = peak, int(total), float(decay)
+
+    def __call__(self, step):
+        t = tf.minimum(tf.cast(step, tf.float32), float(self.total))
+        length = self.decay * self.total
+        # factor = min(1, (total - t) / (decay x total))
+        return self.peak * tf.minimum(1.0, (self.total - t) / length)
+
+    def get_config(self):
+        return {"peak": float(self.peak.numpy()), "total": self.total, "decay": self.decay}
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_experiments")
+class SwitchLrRamp(keras.optimizers.schedules.LearningRateSchedule):
+    """`inner`(t) x f(t): f = 1 before `at`, 1/`ratio` at `at`, back to 1
+    linearly over `ramp` micro-batches (the per-update lr of a switch
+    1 -> ratio under "fixed_beta_1" ramped from 1x to ratio x)."""
+
+    def __init__(self, inner, at, ramp, ratio):
+        self.inner, self.at, self.ramp, self.ratio = inner, int(at), int(ramp), float(ratio)
+
+    def __call__(self, step):
+        t = tf.cast(step, tf.float32)
+        done = tf.clip_by_value((t - self.at) / self.ramp, 0.0, 1.0)
+        # f = 1/ratio + (1 - 1/ratio) x done after the switch
+        f = tf.where(t < self.at, 1.0, 1.0 / self.ratio + (1.0 - 1.0 / self.ratio) * done)
+        return self.inner(step) * f
+
+    def get_config(self):
+        return {"at": self.at, "ramp": self.ramp, "ratio": self.ratio}
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_experiments")
+class Constant(keras.optimizers.schedules.LearningRateSchedule):
+    """`peak` (a variable) at every step."""
+
+    def __init__(self, peak):
+        self.peak = peak
+
+    def __call__(self, step):
+        return self.peak * tf.ones_like(tf.cast(step, tf.float32))
+
+    def get_config(self):
+        return {"peak": float(self.peak.numpy())}
+
+
 def arm_steps(arm, c):
     """The `steps` argument of the arm's optimizer."""
     steps = arm["steps"]
@@ -194,6 +273,8 @@ def arm_steps(arm, c):
             noise_estimate=arm.get("estimate", "b_simple"),
             **kwargs,
         )
+    if "ramp" in arm:
+        return ka.PiecewiseSteps(*steps, ramp=arm["ramp"])
     return ka.PiecewiseSteps(*steps)
 
 
@@ -249,10 +330,19 @@ class ControlsStudy:
     def _make(self, name, arm, total):
         c = self.config
         lr = 1e-3
-        if arm.get("decay", "constant") == "cosine":
+        decay = arm.get("decay", "constant")
+        if decay != "constant" or "lr_ramp" in arm:
             peak = tf.Variable(1e-3, trainable=False, dtype="float32", name="peak_lr")
             self._peaks[name] = peak
-            lr = CosineToZero(peak, total)
+            if decay == "cosine":
+                lr = CosineToZero(peak, total)
+            elif decay == "wsd":
+                lr = WarmupStableDecay(peak, total, c["wsd_decay"])
+            else:
+                lr = Constant(peak)
+            if "lr_ramp" in arm:
+                [at], [_, ratio] = arm["steps"]
+                lr = SwitchLrRamp(lr, at, arm["lr_ramp"], ratio)
         hyper = {"learning_rate": lr, "beta_1": c["beta_1"], "beta_2": c["beta_2"]}
         hyper["epsilon"] = c["epsilon"]
         steps = arm_steps(arm, c)
@@ -413,4 +503,11 @@ def run_study(config, workdir):
     return study
 
 
-__all__ = ["DEFAULTS", "ControlsStudy", "CosineToZero", "resolve_config", "run_study"]
+__all__ = [
+    "DEFAULTS",
+    "ControlsStudy",
+    "CosineToZero",
+    "WarmupStableDecay",
+    "resolve_config",
+    "run_study",
+]
