@@ -92,6 +92,9 @@ SLOW_TESTS = {
         "test_smoke_study_writes_its_files_and_reruns_identically",
         "test_smoke_arms_count_updates_gradients_and_kappa",
     },
+    "test_schedule_decay_mnist1d.py": {  # a smoke study of the MNIST-1D task (about 10 s)
+        "test_smoke_study_trains_the_cnn_on_a_validation_split_deterministically",
+    },
     "test_experiment.py": {
         "test_script_unknown_flag_lists_valid_flags",
         "test_script_missing_dataset_fails_fast",

@@ -30,8 +30,12 @@ published result's `"fixed_beta_1"` by default):
 * `"learning_rates"`, `"examples"`, `"seeds"`: the arm's own, else the
   study's.
 
-Protocol: the last `validation_examples` sequences of the char LM's train
-split are a validation split, never trained on; tuning reads `val_loss`,
+`task` picks the model and data: `"charlm"` (the default) or
+`"mnist1d_cnn"`, the MNIST-1D CNN (`models.cnn`, 5,210 parameters) on
+MNIST-1D (`data.py`, offline; 4000 train / 1000 test examples).
+
+Protocol: the last `validation_examples` examples (sequences) of the task's
+train split are a validation split, never trained on; tuning reads `val_loss`,
 reported numbers `test_loss`. Every run of a seed starts from the same
 weights and reads the same seeded stream of micro-batches (a longer arm
 reads a longer prefix of it). With `deterministic`, TensorFlow's op
@@ -57,7 +61,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_accum as ka
-from keras_accum.experiments import charlm, optimizers
+from keras_accum.experiments import charlm, data, optimizers, study_runner
 from keras_accum.experiments import config as cfg
 from keras_accum.experiments.invariance.report import write_csv
 from keras_accum.experiments.study_runner import StudyRunner, micro_batch_indices
@@ -68,7 +72,10 @@ PROBE_KAPPA = 8  # micro-batches per probe window
 ESTIMATES = tuple(ka.diagnostics.NOISE_ESTIMATES)
 _RULES = ka.scaling.SCALING_RULES[:-1]
 
+TASKS = ("charlm", "mnist1d_cnn")
+
 FIELDS = [
+    F("task", "str", "charlm", "Model and data", choices=TASKS),
     F("data_dir", "path", None, "TFDS data_dir"),
     F("micro_batch_size", "int", 16, "Sequences per micro-batch", minimum=1),
     cfg.fraction("beta_1", 0.9, "Adam beta_1 at kappa = 1"),
@@ -278,23 +285,32 @@ def arm_steps(arm, c):
     return ka.PiecewiseSteps(*steps)
 
 
+def _task(task, data_dir):
+    """(load(split) -> (x, y) numpy, input shape, classes, build, model name)."""
+    if task == "mnist1d_cnn":
+        shape = data.dataset_info("mnist1d", data_dir).input_shape
+        load = functools.partial(study_runner.load_arrays, "mnist1d", data_dir=data_dir)
+        return load, shape, 10, None, "cnn"
+    load = functools.partial(charlm.load_arrays, data_dir=data_dir)
+    return load, (charlm.SEQ_LEN,), charlm.VOCAB_SIZE, charlm.build_lm, None
+
+
 class ControlsStudy:
     def __init__(self, config):
         self.config = c = resolve_config(config)
         self.threads_set = configure_determinism(c["threads"], c["deterministic"])
         self.started = time.time()
-        x, y = charlm.load_arrays("train", c["data_dir"])
+        load, shape, classes, build, model = _task(c["task"], c["data_dir"])
+        x, y = load("train")
         n_val = c["validation_examples"]
         self.x_train, self.y_train = x[:-n_val], y[:-n_val]
         n = c["train_eval_examples"]
         eval_data = {
             "train": (self.x_train[:n], self.y_train[:n]),
             "validation": (x[-n_val:], y[-n_val:]),
-            "test": charlm.load_arrays("test", c["data_dir"]),
+            "test": load("test"),
         }
-        self.trainer = StudyRunner(
-            None, (charlm.SEQ_LEN,), charlm.VOCAB_SIZE, eval_data, build=charlm.build_lm
-        )
+        self.trainer = StudyRunner(model, shape, classes, eval_data, build=build)
         self.rows, self.decisions, self.timings = [], [], []
         self._peaks = {}
 
@@ -505,6 +521,7 @@ def run_study(config, workdir):
 
 __all__ = [
     "DEFAULTS",
+    "TASKS",
     "ControlsStudy",
     "CosineToZero",
     "WarmupStableDecay",
