@@ -218,3 +218,33 @@ def test_short_answer_and_readme_numbers_recompute_from_the_committed_files():
     assert doc in _doc_words(), doc
     readme = f"removes the spike in {smooth_3e3} of 8 seeds at 3e-3, {smooth_6e3} of 8 at 6e-3."
     assert readme in _readme_words(), readme
+
+
+def test_the_computed_wall_clock_recomputes_from_the_committed_files():
+    """The data-parallel wall-clock the docs compute (updates x the measured
+    time of one micro-batch), and the one-device times beside it."""
+    _, _, entries = controls_report.controls_table(DECAY, "kappa=1 wsd")
+    arm = {e["arm"]: e for e in entries}
+    ref = arm["kappa=1 wsd"]
+    per = np.mean(ref["cpu_seconds"]) / np.mean(ref["gradient_evaluations"])
+
+    def first(e, key):
+        values = [v for v in e[key] if v is not None]
+        return np.mean(values), len(values)
+
+    steps, n_steps = first(arm["1->2->4 at 512, 1024 wsd"], "first_updates")
+    ramp, n_ramp = first(arm["1->4 at 512 ramp wsd"], "first_updates")
+    one, n_one = first(ref, "first_cpu_seconds")
+    steps_cpu, _ = first(arm["1->2->4 at 512, 1024 wsd"], "first_cpu_seconds")
+    text = (
+        f"One micro-batch of 16 sequences took {per * 1000:.1f} ms of CPU here "
+        f"(kappa = 1 with WSD: its CPU seconds over its 3072 gradient evaluations). "
+        f"If every window's kappa micro-batches ran at once on kappa devices and "
+        f"communication cost nothing, a run would take its serial updates times that: "
+        f"1 -> 2 -> 4 would reach T + sigma in about {steps * per:.1f} s on 4 devices "
+        f"({steps:.0f} updates, {n_steps} of 8 seeds) and 1 -> 4 with the ramp in "
+        f"{ramp * per:.1f} s ({n_ramp} of 8), against {one:.1f} s measured on one device "
+        f"for kappa = 1 ({n_one} of 8)."
+    )
+    assert text in _doc_words(), text
+    assert f"longer ({steps_cpu:.1f} s for 1 -> 2 -> 4)" in _doc_words()
