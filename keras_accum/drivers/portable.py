@@ -102,7 +102,7 @@ class UpdateAccumulationAdamForm:
 
 def apply(optimizer, grads, variables, weight, overwrite):
     """One micro-batch: screen, fold, count, and at a window's end update
-    (the portable form of `AccumulationOptimizer._merge_apply`)."""
+    (what the TensorFlow driver's `_merge_apply` does there)."""
     if optimizer.nonfinite == "raise" and _backend.BACKEND == "jax":
         raise ValueError(
             f"{type(optimizer).__name__}: nonfinite='raise' cannot stop a compiled "

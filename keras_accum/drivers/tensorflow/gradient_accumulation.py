@@ -89,7 +89,7 @@ class GradientAccumulationForm:
             return (total_weight,), None
         if _execution.in_xla():
             total_weight = _replicas.read_total(self._weight)
-            # Under XLA a bad micro-batch made W NaN (`_fold`).
+            # Under XLA a bad micro-batch made W NaN (`_tf_fold`).
             return (total_weight,), tf.math.is_finite(total_weight)
         # Graph mode: NaN and Inf propagate into the window's sums, so one
         # check of each S_r per window (in the window end's branch) replaces
