@@ -50,16 +50,6 @@ def is_first_replica():
     return tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
 
 
-def replica_id():
-    """This replica's id as a Python int where known while tracing, else
-    None (also in cross-replica context)."""
-    context = tf.distribute.get_replica_context()
-    if context is None:
-        return None
-    replica = tf.get_static_value(context.replica_id_in_sync_group)
-    return None if replica is None else int(replica)
-
-
 def merge(fn, *args):
     """Replica context -> `fn(*args)` once, in cross-replica context (its
     arguments become per-replica values). The one sync point of `apply`."""

@@ -205,6 +205,11 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
                 mean is then weighted by item counts, exact for unequal
                 micro-batches); the Adam variants refuse it.
         """
+        self._drive(*self._prepare(grads, trainable_variables, weight))
+
+    def _prepare(self, grads, trainable_variables, weight):
+        """`apply`'s checks and build: the (gradient, variable) pairs of the
+        window, those Keras overwrites with their gradient, and the weight."""
         if trainable_variables is None:
             if not self.built:
                 raise ValueError(
@@ -237,7 +242,7 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
         # no part in the window, as in `keras.optimizers.Optimizer.apply`.
         overwrite = [p for p in pairs if getattr(p[1], "overwrite_with_gradient", False)]
         pairs = [p for p in pairs if not getattr(p[1], "overwrite_with_gradient", False)]
-        self._drive(pairs, overwrite, weight)
+        return pairs, overwrite, weight
 
     def _refuse_weight(self, weight):
         """A weight this optimizer would ignore: an error, never a no-op."""

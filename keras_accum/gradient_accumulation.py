@@ -248,7 +248,8 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         weight = ops.convert_to_tensor(self._weight)
         weight = ops.where(ops.equal(weight, 0.0), 1.0, weight)  # S = 0 too: mean 0
         means = [a / weight for a in self._accumulators_of(variables)]
-        self._step_inner(means, variables, keep)  # the driver's: a branch, or a lax.cond
+        # The driver's: a branch, or (traced JAX) the values its `lax.cond` takes.
+        return self._step_inner(means, variables, keep)
 
     def _wrapped_optimizers(self):
         return [self.inner_optimizer]

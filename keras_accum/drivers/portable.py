@@ -42,11 +42,21 @@ class Driver:
     """The JAX and PyTorch route of `AccumulationOptimizer.apply`."""
 
     def _drive(self, pairs, overwrite, weight):
+        if self._run(pairs, overwrite, weight) is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} in a traced JAX step must be applied "
+                "through `stateless_apply` (what `model.fit` does)."
+            )
+
+    def _run(self, pairs, overwrite, weight):
+        """One micro-batch through `apply` below; returns what a traced
+        window's end leaves to the caller (`GradientAccumulation`'s means
+        and keep flag under JAX), else None."""
         grads = [g for g, _ in pairs]
         if self.loss_scale_factor is not None:
             grads = [g / self.loss_scale_factor for g in grads]
         with keras.name_scope(self.name, caller=self):
-            apply(self, grads, [v for _, v in pairs], weight, overwrite)
+            return apply(self, grads, [v for _, v in pairs], weight, overwrite)
 
     def _check_strategy(self):
         return None  # no tf.distribute strategy here
@@ -63,14 +73,8 @@ class GradientAccumulationForm:
         if isinstance(keep, bool) or _backend.is_concrete(keep):
             if bool(keep):  # PyTorch, or JAX run eagerly
                 self.inner_optimizer.apply(means, variables)
-            return
-        pending = self.__dict__.get("_pending_inner")
-        if pending is None:
-            raise RuntimeError(
-                "GradientAccumulation in a traced JAX step must be applied "
-                "through `stateless_apply` (what `model.fit` does)."
-            )
-        pending.extend([means, keep])  # stepped in `stateless_apply`
+            return None
+        return means, keep  # traced: stepped in `stateless_apply`'s lax.cond
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables, weight=None):
         """Keras's stateless step (JAX), with `apply`'s optional `weight`:
@@ -102,7 +106,8 @@ class UpdateAccumulationAdamForm:
 
 def apply(optimizer, grads, variables, weight, overwrite):
     """One micro-batch: screen, fold, count, and at a window's end update
-    (what the TensorFlow driver's `_merge_apply` does there)."""
+    (what the TensorFlow driver's `_merge_apply` does there). Returns what
+    `end_window` returns."""
     if optimizer.nonfinite == "raise" and _backend.BACKEND == "jax":
         raise ValueError(
             f"{type(optimizer).__name__}: nonfinite='raise' cannot stop a compiled "
@@ -147,7 +152,7 @@ def apply(optimizer, grads, variables, weight, overwrite):
         boundary = decided(optimizer._window_done(micro_step))
     for grad, variable in overwrite:  # float8 scales: the last gradient
         variable.assign(masked(boundary, ops.cast(grad, variable.dtype), variable))
-    end_window(optimizer, variables, boundary)
+    return end_window(optimizer, variables, boundary)
 
 
 def host_micro_step(optimizer):
@@ -186,9 +191,11 @@ def count_bad(optimizer, start, ok):
 
 def end_window(optimizer, variables, boundary):
     """The window's update where `boundary` holds and the window may be
-    applied; the drop counted where it may not."""
+    applied; the drop counted where it may not. Returns what the rule's
+    `_update` returns where the inner optimizer steps (`_steps_inner`),
+    else None."""
     if boundary is False:
-        return  # eager, inside a window: nothing of the window's end runs
+        return None  # eager, inside a window: nothing of the window's end runs
     window_ok = decided(optimizer._window_ok(boundary))
     keep = both(boundary, window_ok)
     if window_ok is not True:
@@ -198,10 +205,10 @@ def end_window(optimizer, variables, boundary):
             counter.assign(counter + flag(dropped, _backend.INT))
             optimizer._drop(dropped)
     if keep is False:
-        return
-    optimizer._update(variables, keep)
+        return None
+    result = optimizer._update(variables, keep)
     if optimizer._steps_inner:
-        return  # the inner optimizer counted, averaged and constrained
+        return result  # the inner optimizer counts, averages and constrains
     if optimizer.use_ema:
         update_ema(optimizer, keep)
     for variable in variables:
@@ -250,14 +257,11 @@ def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variab
     trainable_variables = [ops.convert_to_tensor(v) for v in trainable_variables]
     mapping = list(zip(_compat.trainable_variables(optimizer), trainable_variables))
     mapping += list(zip(optimizer.variables, optimizer_variables))
-    pending = []  # (means, keep), from `GradientAccumulationForm._step_inner`
-    optimizer.__dict__["_pending_inner"] = pending  # not a tracked attribute
-    try:
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            optimizer.apply(grads, weight=weight)
-    finally:
-        del optimizer.__dict__["_pending_inner"]
-    if pending:
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        # (means, keep) from `GradientAccumulationForm._step_inner`: returned,
+        # not parked on the instance.
+        pending = optimizer._run(*optimizer._prepare(grads, None, weight))
+    if pending is not None:
         means, keep = pending
     else:  # the window's end was decided in Python (a concrete value)
         trained = _compat.trainable_variables(optimizer)

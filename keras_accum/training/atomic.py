@@ -111,9 +111,3 @@ def atomic_write_text(path, text):
     """Writes `text` to `path` atomically (temporary name, fsync, rename)."""
     with replacing(path) as f:
         f.write(text)
-
-
-def atomic_write_bytes(path, data):
-    """Writes the bytes `data` to `path` atomically."""
-    with replacing(path, "wb") as f:
-        f.write(data)

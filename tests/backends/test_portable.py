@@ -633,3 +633,32 @@ def test_stateless_apply_writes_nothing_and_equals_apply(make, request):
     assert_close(
         [keras.ops.convert_to_numpy(v) for v in trainable_values], [t.numpy() for t in twins]
     )
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a traced step is JAX's")
+def test_gradient_accumulation_traced_outside_stateless_apply_is_named():
+    """Under `jax.jit`, `GradientAccumulation.apply` in a user's own
+    `StatelessScope` cannot step its inner optimizer (that takes the
+    `lax.cond` of `stateless_apply`): one line naming the way, not a
+    silent window without an update."""
+    import jax
+
+    params = variables()
+    optimizer = ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=2)
+    optimizer.build(params)
+    owned = optimizer.variables + params
+
+    def step(values, grads):
+        with keras.StatelessScope(state_mapping=list(zip(owned, values))):
+            optimizer.apply(grads, params)
+        return values
+
+    values = [v.value for v in owned]
+    grads = [keras.ops.convert_to_tensor(g) for g in next(gradient_stream(1))]
+    with pytest.raises(RuntimeError, match=r"GradientAccumulation .*`stateless_apply`"):
+        jax.jit(step)(values, grads)
+    # The same step through `stateless_apply` runs.
+    new_params, _ = jax.jit(optimizer.stateless_apply)(
+        [v.value for v in optimizer.variables], grads, [p.value for p in params]
+    )
+    assert len(new_params) == len(params)
