@@ -92,8 +92,8 @@ def get_config(variant="controls"):
             learning_rates=[1e-3],
             train_examples=1024,
             eval_every=256,
-            arms={
-                name: arms[name]
+            arms={  # one seed each: the arms' own seed lists are the study's
+                name: {k: v for k, v in arms[name].items() if k != "seeds"}
                 for name in ("kappa=1", "kappa=1 cosine", "kappa=4", "adaptive preconditioned")
             },
             repeat=["adaptive preconditioned"],
