@@ -205,9 +205,9 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
                 mean is then weighted by item counts, exact for unequal
                 micro-batches); the Adam variants refuse it.
         """
-        self._drive(*self._prepare(grads, trainable_variables, weight))
+        self._drive(*self._checked_pairs(grads, trainable_variables, weight))
 
-    def _prepare(self, grads, trainable_variables, weight):
+    def _checked_pairs(self, grads, trainable_variables, weight):
         """`apply`'s checks and build: the (gradient, variable) pairs of the
         window, those Keras overwrites with their gradient, and the weight."""
         if trainable_variables is None:

@@ -431,3 +431,69 @@ def test_no_stale_exception():
             for name, places in used.items()
             for _, _, receiver in places
         ), f"ALLOWED_ON lists {owner}.{prefix}, which the library no longer uses"
+
+
+# -- a driver's form never shadows a rule's method by accident ------------------
+
+# Methods a form may define over a rule's or Keras's on purpose: the portable
+# InvariantAdamForm's `build` (the data-parallel warning), the portable
+# GradientAccumulationForm's `stateless_apply` (JAX's lax.cond).
+FORM_OVERRIDES = {"build", "stateless_apply"}
+
+
+def shadowed_by_forms(cls):
+    """Names a class of `keras_accum.drivers` defines in `cls`'s MRO that a
+    class outside the drivers (a rule, or Keras's Optimizer) also defines,
+    beyond `FORM_OVERRIDES`: a form method that takes the place of a rule's
+    method of the same name (as a form's `_prepare` once took the place of
+    `AccumulationOptimizer`'s)."""
+    import keras
+
+    form_names, other_names = set(), set(dir(keras.optimizers.Optimizer))
+    for klass in cls.__mro__:
+        names = {n for n in vars(klass) if not n.startswith("__")}
+        if klass.__module__.startswith("keras_accum.drivers"):
+            if klass.__name__ != "Driver":  # the driver's own hooks are its API
+                form_names |= names
+        elif klass.__module__.startswith("keras_accum"):
+            other_names |= names
+    return sorted((form_names & other_names) - FORM_OVERRIDES)
+
+
+def test_the_shadow_scan_sees_a_form_method_named_as_a_rules():
+    import keras_accum as ka
+    from keras_accum import drivers
+
+    form = type("Form", (), {"_checked_pairs": lambda self: None})
+    form.__module__ = drivers.__name__
+    shadowing = type("Shadowing", (form, ka.InvariantAdam), {})
+    assert shadowed_by_forms(shadowing) == ["_checked_pairs"]
+
+
+@pytest.mark.parametrize(
+    "name", ["GradientAccumulation", "InvariantAdam", "UpdateAccumulationAdam"]
+)
+def test_no_form_shadows_a_rules_method(name):
+    """On this process's backend (TensorFlow in the fast tier; the forms of
+    JAX and PyTorch are one module, checked the same way by name below)."""
+    import keras_accum as ka
+
+    assert shadowed_by_forms(getattr(ka, name)) == []
+
+
+def test_no_portable_form_shadows_a_rules_method():
+    """The JAX/PyTorch forms, read without importing them as the driver."""
+    import keras
+
+    from keras_accum import base
+
+    source = (PACKAGE / "drivers" / "portable.py").read_text()
+    tree = ast.parse(source)
+    rule_names = set(dir(base.AccumulationOptimizer)) | set(dir(keras.optimizers.Optimizer))
+    for module in ("gradient_accumulation", "invariant_adam", "update_accumulation_adam"):
+        rule = ast.parse((PACKAGE / f"{module}.py").read_text())
+        rule_names |= {n.name for n in ast.walk(rule) if isinstance(n, ast.FunctionDef)}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Form"):
+            names = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            assert sorted((names & rule_names) - FORM_OVERRIDES) == [], node.name

@@ -42,13 +42,13 @@ class Driver:
     """The JAX and PyTorch route of `AccumulationOptimizer.apply`."""
 
     def _drive(self, pairs, overwrite, weight):
-        if self._run(pairs, overwrite, weight) is not None:
+        if self._run_rule(pairs, overwrite, weight) is not None:
             raise RuntimeError(
                 f"{type(self).__name__} in a traced JAX step must be applied "
                 "through `stateless_apply` (what `model.fit` does)."
             )
 
-    def _run(self, pairs, overwrite, weight):
+    def _run_rule(self, pairs, overwrite, weight):
         """One micro-batch through `apply` below; returns what a traced
         window's end leaves to the caller (`GradientAccumulation`'s means
         and keep flag under JAX), else None."""
@@ -260,7 +260,7 @@ def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variab
     with keras.StatelessScope(state_mapping=mapping) as scope:
         # (means, keep) from `GradientAccumulationForm._step_inner`: returned,
         # not parked on the instance.
-        pending = optimizer._run(*optimizer._prepare(grads, None, weight))
+        pending = optimizer._run_rule(*optimizer._checked_pairs(grads, None, weight))
     if pending is not None:
         means, keep = pending
     else:  # the window's end was decided in Python (a concrete value)
