@@ -1,0 +1,158 @@
+"""The causes of the loss spike at the switch 1 -> 4 (issue #42): the
+harness's one-change arms checked against numpy (`lr_scale`, `beta_forms`,
+`bias_correction`, a per-arm `scaling_rule`), and every number of
+docs/BATCH_SIZE_SCHEDULES.md's "What makes the spike" recomputed from the
+committed files (no training, no network)."""
+
+import math
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_schedules import BOUNDARIES, VALUES, run_schedule
+
+import keras_accum as ka
+from keras_accum.experiments import config as cfg
+from keras_accum.experiments import experiment, schedules_controls
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DECAY = ROOT / "docs/batch_size_schedules/decay"
+DOC = ROOT / "docs/BATCH_SIZE_SCHEDULES.md"
+CONFIG = ROOT / "saved_configs/schedule_cosine.py"
+
+# beta_k for a window of kappa micro-batches, written out (not the library's).
+FORMS = {
+    "linear": lambda beta, kappa: 1 - kappa * (1 - beta),
+    "power": lambda beta, kappa: beta**kappa,
+    "fixed": lambda beta, kappa: beta,
+}
+
+
+def np_arm_adam(theta, windows, lr, b1, b2, forms, correction, eps=1e-7):
+    """InvariantAdam with the betas of window k scaled by `forms` and the
+    bias correction from the products of the betas used ("products") or
+    from the update count at this window's betas ("updates")."""
+    m = v = np.zeros_like(theta)
+    p1 = p2 = 1.0
+    for k, g in enumerate(windows, start=1):
+        kappa = len(g)
+        b1k, b2k = FORMS[forms[0]](b1, kappa), FORMS[forms[1]](b2, kappa)
+        m = b1k * m + (1 - b1k) * g.mean(0)
+        v = b2k * v + (1 - b2k) * (g**2).mean(0)
+        p1, p2 = p1 * b1k, p2 * b2k
+        if correction == "products":
+            c = math.sqrt(1 - p2) / (1 - p1)
+        else:
+            c = math.sqrt(1 - b2k**k) / (1 - b1k**k)
+        theta = theta - kappa * lr * c * m / (np.sqrt(v) + eps)
+    return theta
+
+
+@pytest.mark.parametrize(
+    "rule, forms, correction",
+    [
+        ("fixed_beta_1", None, "products"),  # the library's, through the subclass
+        ("fixed_beta_1", ["fixed", "fixed"], "products"),  # beta_2 not scaled
+        ("fixed_beta_1", None, "updates"),  # the update-count correction
+        ("power", ["power", "power"], "updates"),
+        ("fixed_beta_1", ["linear", "power"], "products"),
+    ],
+)
+def test_arm_invariant_adam_matches_numpy(rule, forms, correction):
+    opt = schedules_controls.ArmInvariantAdam(
+        0.02,
+        beta_1=0.8,
+        beta_2=0.95,
+        steps=ka.PiecewiseSteps(BOUNDARIES, VALUES),
+        scaling_rule=rule,
+        beta_forms=forms,
+        bias_correction=correction,
+    )
+    theta, windows, after, traces = run_schedule(opt, np.random.default_rng(3))
+    assert sorted({len(w) for w in windows}) == [1, 2, 4] and traces == 1
+    forms = forms or ka.scaling.BETA_FORMS[rule]
+    for k in range(len(windows)):
+        expected = np_arm_adam(theta, windows[: k + 1], 0.02, 0.8, 0.95, forms, correction)
+        np.testing.assert_allclose(after[k], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_arm_invariant_adam_with_the_rules_own_forms_is_invariant_adam():
+    def run(make):
+        return run_schedule(make(ka.PiecewiseSteps(BOUNDARIES, VALUES)), np.random.default_rng(4))
+
+    ours = run(
+        lambda s: schedules_controls.ArmInvariantAdam(
+            0.02, steps=s, scaling_rule="fixed_beta_1", beta_forms=["fixed", "power"]
+        )
+    )
+    library = run(lambda s: ka.InvariantAdam(0.02, steps=s, scaling_rule="fixed_beta_1"))
+    for a, b in zip(ours[2], library[2]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_arm_invariant_adam_refuses_a_linear_beta_at_or_below_zero():
+    with pytest.raises(ValueError, match="beta_forms='power'"):
+        schedules_controls.ArmInvariantAdam(
+            0.01, steps=16, scaling_rule="fixed_beta_1", beta_forms=["linear", "power"]
+        )
+
+
+def test_switch_lr_scale_multiplies_from_the_switch_on():
+    inner = schedules_controls.Constant(tf.Variable(2.0))
+    scaled = schedules_controls.SwitchLrScale(inner, at=512, factor=0.25)
+    got = [float(scaled(t)) for t in (0, 511, 512, 513, 3000)]
+    assert got == pytest.approx([2.0, 2.0, 0.5, 0.5, 0.5])
+    assert scaled.get_config() == {"at": 512, "factor": 0.25}
+
+
+def test_spike_causes_variants_resolve_and_bad_arms_are_refused():
+    causes = schedules_controls.resolve_config(experiment.load_config_file(CONFIG, "spike_causes"))
+    assert len(causes["arms"]) == 4 and causes["seeds"] == list(range(8))
+    for arm in causes["arms"].values():  # the reference's switch, decay and lr
+        assert arm["steps"] == [[512], [1, 4]] and arm["decay"] == "wsd"
+        assert len(set(arm) - {"steps", "decay"}) == 1  # one change each
+    assert causes["learning_rates"] == [6e-3] and causes["scaling_rule"] == "fixed_beta_1"
+    warmups = experiment.load_config_file(CONFIG, "cosine_warmups")
+    schedules_controls.resolve_config(warmups)
+    assert {a["decay"] for a in warmups["arms"].values()} == {"cosine"}
+    base = experiment.load_config_file(CONFIG, "smoke")
+    schedules_controls.resolve_config(base)
+    one = {"steps": [[16], [1, 4]]}
+    for arm, message in (
+        ({"steps": 4, "lr_scale": 0.25}, "`lr_scale` is a number > 0"),
+        ({**one, "lr_scale": 0}, "`lr_scale` is a number > 0"),
+        ({**one, "lr_scale": True}, "`lr_scale` is a number > 0"),
+        ({**one, "lr_scale": 0.5, "lr_ramp": 32}, "no `lr_ramp`"),
+        ({**one, "scaling_rule": "sqrt"}, "`scaling_rule` must be one of"),
+        ({**one, "beta_forms": ["fixed"]}, "`beta_forms` must be"),
+        ({**one, "beta_forms": ["fixed", "exp"]}, "`beta_forms` must be"),
+        ({**one, "bias_correction": "none"}, "`bias_correction` must be one of"),
+    ):
+        with pytest.raises(cfg.ConfigError, match=message):
+            schedules_controls.resolve_config({**base, "arms": {"x": arm}})
+
+
+def test_the_library_correction_at_the_switch_is_kappa_1s_at_the_same_examples():
+    """Under "fixed_beta_1" the products after 512 micro-batches at kappa = 1
+    and one window of 4 are P_1 = 0.9 ** 513 (beta_1 per update) and P_2 =
+    0.999 ** 516 (beta_2 per micro-batch): the same correction as kappa = 1
+    after 516 micro-batches. The update-count correction of that window is
+    sqrt(1 - (0.999 ** 4) ** 513): x1.47 at once."""
+    opt = ka.InvariantAdam(
+        0.01, steps=ka.PiecewiseSteps([512], [1, 4]), scaling_rule="fixed_beta_1"
+    )
+    var = keras.Variable(np.zeros(2, "float32"))
+    opt.build([var])
+    step = tf.function(lambda g: opt.apply([g], [var]))
+    g = tf.constant([0.1, -0.2], "float32")
+    for _ in range(516):
+        step(g)
+    assert int(opt.iterations) == 513
+    p_1, p_2 = (float(p.numpy()) for p in opt._beta_products)
+    assert p_1 == pytest.approx(0.9**513, rel=1e-4)
+    assert p_2 == pytest.approx(0.999**516, rel=1e-4)
+    products = math.sqrt(1 - 0.999**516) / (1 - 0.9**513)
+    count = math.sqrt(1 - (0.999**4) ** 513) / (1 - 0.9**513)
+    assert f"x{count / products:.2f}" == "x1.47"
