@@ -4,6 +4,7 @@ harness's one-change arms checked against numpy (`lr_scale`, `beta_forms`,
 docs/BATCH_SIZE_SCHEDULES.md's "What makes the spike" recomputed from the
 committed files (no training, no network)."""
 
+import json
 import math
 import pathlib
 
@@ -15,10 +16,11 @@ from test_schedules import BOUNDARIES, VALUES, run_schedule
 
 import keras_accum as ka
 from keras_accum.experiments import config as cfg
-from keras_accum.experiments import experiment, schedules_controls
+from keras_accum.experiments import controls_report, experiment, schedules_controls
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DECAY = ROOT / "docs/batch_size_schedules/decay"
+CAUSES = DECAY / "spike_causes"
 DOC = ROOT / "docs/BATCH_SIZE_SCHEDULES.md"
 CONFIG = ROOT / "saved_configs/schedule_cosine.py"
 
@@ -156,3 +158,157 @@ def test_the_library_correction_at_the_switch_is_kappa_1s_at_the_same_examples()
     products = math.sqrt(1 - 0.999**516) / (1 - 0.9**513)
     count = math.sqrt(1 - (0.999**4) ** 513) / (1 - 0.9**513)
     assert f"x{count / products:.2f}" == "x1.47"
+
+
+# -- the docs' numbers, from the committed files -------------------------------
+
+REFERENCE = "1->4 at 512 wsd"  # the no-ramp switch of `--variant cosine`: every cause at once
+
+
+def _doc_words():
+    return " ".join(DOC.read_text().split())
+
+
+def _arms():
+    return list(controls_report.load(CAUSES)[0]["arms"])
+
+
+def _spikes():
+    main = controls_report.read_csv(DECAY / "runs.csv")
+    causes = controls_report.read_csv(CAUSES / "runs.csv")
+    spikes = {REFERENCE: controls_report.switch_spikes(main, REFERENCE, "kappa=1 wsd", 8192)}
+    for arm in _arms():
+        spikes[arm] = controls_report.switch_spikes(
+            causes, arm, "kappa=1 wsd", 8192, reference_rows=main
+        )
+    return spikes
+
+
+def _table():
+    arms = ["kappa=1 wsd", REFERENCE, *_arms()]
+    return controls_report.combined_table([DECAY, CAUSES], "kappa=1 wsd", arms)
+
+
+def _rows(text):
+    return [x for x in text.splitlines() if x.startswith("| ") and "| arm |" not in x]
+
+
+def test_docs_spike_causes_tables_recompute_from_the_committed_files():
+    doc = DOC.read_text()
+    spikes = _spikes()
+    assert len(spikes) == 5 and all(len(s) == 8 for s in spikes.values())
+    rows = _rows(controls_report.spike_markdown(spikes))
+    t, sigma, entries = _table()
+    assert [len(e["seeds"]) for e in entries] == [8] * 6
+    rows += _rows(controls_report.table_markdown(t, sigma, entries, "kappa=1 wsd"))
+    missing = [x for x in rows if x not in doc]
+    assert not missing, missing
+
+
+def _ci(values, digits):
+    diff, low, high = values
+    return f"{diff:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+
+
+def _peaks(spikes, arm):
+    return [p for _, p in spikes[arm].values()]
+
+
+def test_docs_spike_causes_sentences_recompute_from_the_committed_files():
+    """Each number of the prose: peaks, seeds above +0.1, Welch intervals of
+    the peak and of the final loss against the no-change arm, the runs'
+    agreement up to the switch, and the factors the arms change."""
+    words = _doc_words()
+    spikes = _spikes()
+    arm = {a.split(" at 512 ")[1].removesuffix(" wsd"): a for a in _arms()}
+    assert set(arm) == {"lr not scaled", "beta_2 not scaled", "power", "count correction"}
+    spiked = {a: sum(p > 0.1 for p in _peaks(spikes, a)) for a in spikes}
+    ref_peaks = _peaks(spikes, REFERENCE)
+
+    def peak_ci(name):
+        return _ci(controls_report.welch(_peaks(spikes, arm[name]), ref_peaks), 3)
+
+    main = controls_report.read_csv(DECAY / "runs.csv")
+    causes = controls_report.read_csv(CAUSES / "runs.csv")
+    ref_runs = controls_report.arm_curves(main, REFERENCE)
+    ref_finals = [c[-1]["test_loss"] for c in ref_runs.values()]
+
+    def final_ci(name):
+        finals = [
+            c[-1]["test_loss"] for c in controls_report.arm_curves(causes, arm[name]).values()
+        ]
+        return _ci(controls_report.welch(finals, ref_finals), 4)
+
+    def before_switch(name):  # max |test loss - the no-change arm's| up to the switch
+        runs = controls_report.arm_curves(causes, arm[name])
+        return max(
+            abs(p["test_loss"] - q["test_loss"])
+            for seed, points in runs.items()
+            for p, q in zip(points, ref_runs[seed])
+            if p["examples"] <= 8192
+        )
+
+    assert before_switch("lr not scaled") == before_switch("power") == 0.0
+    assert (
+        f"within {before_switch('beta_2 not scaled'):.3f} and "
+        f"{before_switch('count correction'):.3f} for beta_2 not scaled and the count correction"
+    ) in words
+    lr = _peaks(spikes, arm["lr not scaled"])
+    _, _, entries = _table()
+    lr_entry = next(e for e in entries if e["arm"] == arm["lr not scaled"])
+    assert spiked[arm["lr not scaled"]] == 0
+    assert (
+        f"the peak over 4 evaluations is {min(lr):+.3f} to {max(lr):+.3f} (no change: "
+        f"{min(ref_peaks):+.3f} to {max(ref_peaks):+.3f}, above +0.1 in {spiked[REFERENCE]} of 8 "
+        f"seeds); its mean peak minus the no-change arm's is {peak_ci('lr not scaled')} "
+        f"(Welch). Its final loss, {_ci(lr_entry['welch'], 4)} above kappa = 1,"
+    ) in words
+    assert (
+        f"above +0.1 in {spiked[arm['beta_2 not scaled']]} of 8 seeds, mean peak "
+        f"{peak_ci('beta_2 not scaled')} above the no-change arm's"
+    ) in words
+    assert (
+        f"The count correction (the step x1.47 at the switch) adds {peak_ci('count correction')}, "
+        f'scaling beta_1 too (`"power"`, the threshold {_threshold_ratio():.2f}x lower) '
+        f"{peak_ci('power')}; {spiked[arm['power']]} of 8 seeds spike in both."
+    ) in words
+    assert spiked[arm["power"]] == spiked[arm["count correction"]]
+    assert (
+        f"All three end higher than the no-change arm ({final_ci('beta_2 not scaled')}, "
+        f"{final_ci('count correction')}, {final_ci('power')})."
+    ) in words
+    # v averaged over 0.999 per update: the correction one evaluation (16 windows) after.
+    smaller = 1 - math.sqrt(1 - 0.999 ** (512 + 16)) / math.sqrt(1 - 0.999 ** (512 + 64))
+    assert f"makes the bias correction {smaller:.0%} smaller one evaluation after" in words
+    count = math.sqrt(1 - (0.999**4) ** 513) / math.sqrt(1 - 0.999**516)
+    assert f"x{count:.2f} at the switch, falling back" in words
+    # The ramps the last bullet names (over 4 evaluations at 128, 12 at 256).
+    ramp128 = controls_report.folder_spikes(DECAY)["1->4 at 512 ramp wsd"]
+    ramp256 = controls_report.switch_spikes(
+        controls_report.read_csv(DECAY / "ramp256/runs.csv"),
+        "1->4 at 512 ramp 256 wsd",
+        "kappa=1 wsd",
+        8192,
+        reference_rows=main,
+        evaluations=12,
+    )
+    smooth = [sum(p < 0.1 for _, p in r.values()) for r in (ramp128, ramp256)]
+    assert f"({smooth[0]} of 8 seeds smooth at 128 micro-steps, {smooth[1]} of 8 at 256)" in words
+    # The short answer and the cost.
+    assert (
+        "Changed one at a time at the switch (8 seeds each), the causes separate: with the "
+        f"per-update lr not multiplied {'no' if spiked[arm['lr not scaled']] == 0 else 'a'} seed"
+    ) in words
+    assert all(spiked[arm[n]] == 8 for n in ("beta_2 not scaled", "power", "count correction"))
+    seconds = json.loads((CAUSES / "summary.json").read_text())["seconds"]
+    assert f"the causes of the spike 32 runs, {seconds / 60:.1f} min." in words
+
+
+def _threshold_ratio():
+    """Adam's stability threshold (2 + 2 beta_1) / (lr (1 - beta_1)) with
+    beta_1 = 0.9 over that with beta_1 = 0.9 ** 4, at the same lr."""
+
+    def threshold(b):
+        return (2 + 2 * b) / (1 - b)
+
+    return threshold(0.9) / threshold(0.9**4)
