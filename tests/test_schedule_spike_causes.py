@@ -307,7 +307,7 @@ def test_docs_spike_causes_sentences_recompute_from_the_committed_files():
     ) in words
     assert all(spiked[arm[n]] == 8 for n in ("beta_2 not scaled", "power", "count correction"))
     seconds = json.loads((CAUSES / "summary.json").read_text())["seconds"]
-    assert f"the causes of the spike 32 runs, {seconds / 60:.1f} min." in words
+    assert f"the causes of the spike 32 runs, {seconds / 60:.1f} min;" in words
 
 
 def _threshold_ratio():
