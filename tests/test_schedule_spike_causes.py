@@ -318,3 +318,12 @@ def _threshold_ratio():
         return (2 + 2 * b) / (1 - b)
 
     return threshold(0.9) / threshold(0.9**4)
+
+
+def test_a_fresh_process_rerun_of_the_subclass_arms_is_identical():
+    differences = controls_report.folder_difference(CAUSES, CAUSES / "rerun")
+    assert len(differences) == 2 and set(differences.values()) == {0.0}
+    assert {arm for arm, _, _ in differences} == {
+        a for a in _arms() if "beta_2" in a or "count correction" in a
+    }
+    assert "rerun in a fresh process, is identical to the bit" in _doc_words()
