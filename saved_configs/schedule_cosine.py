@@ -20,6 +20,17 @@ fixed before any run of this one.
     lr_ramp: the switch 1 -> 4 at 512 with the tuned decay, kappa switched
     at once but the per-update lr ramped from 1x to 4x over 128 micro-steps
     through the lr schedule (the optimizer-side alternative to the ramp).
+    spike_causes: the switch 1 -> 4 at 512 with the tuned decay, each arm
+    changing one thing at the switch against the no-ramp arm of `cosine`:
+    the per-update lr not multiplied (the lr schedule x 1/4 from 512 on),
+    beta_2 per update kept at its kappa = 1 value (v averages over 4x the
+    examples), beta_1 scaled too (`"power"`: beta_1 0.9 ** 4 per update,
+    beta_2 the same as "fixed_beta_1"'s), the bias correction from the
+    update count at the new betas (it jumps x1.47 at the switch, where the
+    library's products keep kappa = 1's), seeds 0-7.
+    cosine_warmups: 1 -> 4 at 512 and 1 -> 2 -> 4 at 512, 1024 with the
+    cosine decay at cosine's tuned lr, seeds 0-7, against the kappa = 1
+    cosine arm of `cosine`.
     smoke: a few micro-batches, every kind of arm.
 
     taskset -c 1 python3 scripts/schedule_controls.py --config saved_configs/schedule_cosine.py \
@@ -30,7 +41,7 @@ TUNED = {"cosine": 6e-3, "wsd": 6e-3}  # kappa = 1: best mean final val_loss of 
 DECAY = "wsd"  # the better decay of `tune`: 0.4645 against cosine's 0.4697 (val_loss)
 RAMP = 128  # micro-steps: 1 -> 2 at the boundary, 3 at +64, 4 at +128
 
-VARIANTS = ("tune", "cosine", "spike", "lr_ramp", "smoke")
+VARIANTS = ("tune", "cosine", "spike", "lr_ramp", "spike_causes", "cosine_warmups", "smoke")
 # 8.5e-3 was added (a second process, `--set '{"learning_rates": [8.5e-3]}'`)
 # when 6e-3, the grid's edge, came out best for both decays; it is worse for both.
 GRID = [1.5e-3, 2.1e-3, 3e-3, 4.2e-3, 6e-3, 8.5e-3]
@@ -48,6 +59,17 @@ def _arms(decay, lr):
             **d,
         },
         f"1->4 at 512 ramp {decay}": {"steps": [[512], [1, 4]], "ramp": RAMP, **d},
+    }
+
+
+def _causes(decay):
+    """1 -> 4 at 512, each arm changing one thing at the switch."""
+    d = {"steps": [[512], [1, 4]], "decay": decay}
+    return {
+        f"1->4 at 512 lr not scaled {decay}": {"lr_scale": 0.25, **d},
+        f"1->4 at 512 beta_2 not scaled {decay}": {"beta_forms": ["fixed", "fixed"], **d},
+        f"1->4 at 512 power {decay}": {"scaling_rule": "power", **d},
+        f"1->4 at 512 count correction {decay}": {"bias_correction": "updates", **d},
     }
 
 
@@ -109,6 +131,15 @@ def get_config(variant="cosine"):
                 }
             },
         )
+    elif variant == "spike_causes":
+        config.update(seeds=list(range(8)), learning_rates=[TUNED[DECAY]], arms=_causes(DECAY))
+    elif variant == "cosine_warmups":
+        arms = _arms("cosine", TUNED["cosine"])
+        config.update(
+            seeds=list(range(8)),
+            learning_rates=[TUNED["cosine"]],
+            arms={a: arms[a] for a in ("1->4 at 512 cosine", "1->2->4 at 512, 1024 cosine")},
+        )
     else:
         config.update(
             seeds=[0],
@@ -123,6 +154,20 @@ def get_config(variant="cosine"):
                     "decay": "cosine",
                 },
                 "1->4 at 16 lr ramp": {"steps": [[16], [1, 4]], "lr_ramp": 32},
+                "1->4 at 16 lr not scaled wsd": {
+                    "steps": [[16], [1, 4]],
+                    "lr_scale": 0.25,
+                    "decay": "wsd",
+                },
+                "1->4 at 16 beta_2 not scaled power": {
+                    "steps": [[16], [1, 4]],
+                    "beta_forms": ["fixed", "fixed"],
+                    "scaling_rule": "power",
+                },
+                "1->4 at 16 count correction": {
+                    "steps": [[16], [1, 4]],
+                    "bias_correction": "updates",
+                },
                 "adaptive preconditioned cosine": {
                     "steps": "adaptive",
                     "estimate": "adam_preconditioned",

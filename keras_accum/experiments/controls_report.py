@@ -194,9 +194,27 @@ def controls_table(workdir, reference=REFERENCE):
     """(T, sigma, [arm_summary per arm in the config's order]) of a study
     folder; T and sigma from the reference arm's final test losses."""
     config, rows, _, timings = load(workdir)
+    return _table(rows, timings, config["arms"], reference)
+
+
+def combined_table(workdirs, reference, arms=None):
+    """`controls_table` of several study folders read as one (their rows
+    and timings joined): arms run in a later process against a reference
+    run in an earlier one. `arms` (default: every arm of the folders'
+    configs, in their order) picks and orders the rows."""
+    rows, timings, order = [], [], []
+    for workdir in workdirs:
+        config, more_rows, _, more_timings = load(workdir)
+        rows += more_rows
+        timings += more_timings
+        order += [a for a in config["arms"] if a not in order]
+    return _table(rows, timings, order if arms is None else arms, reference)
+
+
+def _table(rows, timings, arms, reference):
     t, sigma = target(rows, reference)
     reference_finals = [c[-1]["test_loss"] for c in arm_curves(rows, reference).values()]
-    arms = [a for a in config["arms"] if any(r["arm"] == a for r in rows)]
+    arms = [a for a in arms if any(r["arm"] == a for r in rows)]
     entries = [
         arm_summary(rows, timings, arm, t + sigma, reference_finals)
         for arm in arms

@@ -27,6 +27,20 @@ published result's `"fixed_beta_1"` by default):
   micro-steps: under `"fixed_beta_1"` the per-update lr goes from 1x to kx
   kappa = 1's over the ramp instead of at once (what a ramp of the scaled
   lr inside InvariantAdam would do, emulated through the lr schedule);
+* `"lr_scale"` (with a piecewise `steps` of one switch 1 -> k): the lr
+  schedule times `lr_scale` from the switch on (1/k keeps the per-update
+  lr of kappa = 1 under every rule: the switch then changes the betas and
+  not the step size);
+* `"scaling_rule"`: the arm's own InvariantAdam rule, else the study's;
+* `"beta_forms"` ([form of beta_1, form of beta_2], each `"linear"`,
+  `"power"` or `"fixed"`, see `keras_accum.scaling.BETA_FORMS`): the
+  window's betas scaled so instead of as the rule says (lr_k = kappa_k lr
+  as under every rule; `ArmInvariantAdam`, a study-only variant);
+* `"bias_correction": "updates"`: the bias correction from the update
+  count at the window's betas, sqrt(1 - beta_2,k ** k) / (1 - beta_1,k ** k),
+  instead of the products P_i of the betas used (what Adam given the
+  scaled betas would compute; it jumps at a switch where P_i does not;
+  `ArmInvariantAdam`);
 * `"learning_rates"`, `"examples"`, `"seeds"`: the arm's own, else the
   study's.
 
@@ -59,8 +73,10 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
+from keras import ops
 
 import keras_accum as ka
+from keras_accum import _compat, scaling, schedules
 from keras_accum.experiments import charlm, data, optimizers, study_runner
 from keras_accum.experiments import config as cfg
 from keras_accum.experiments.invariance.report import write_csv
@@ -121,7 +137,13 @@ _ARM_KEYS = {
     "seeds",
     "ramp",
     "lr_ramp",
+    "lr_scale",
+    "scaling_rule",
+    "beta_forms",
+    "bias_correction",
 }
+BETA_FORMS = ("linear", "power", "fixed")
+BIAS_CORRECTIONS = ("products", "updates")
 DECAYS = ("constant", "cosine", "wsd")
 
 
@@ -171,6 +193,33 @@ def _check_arms(c):
             isinstance(steps, (int, str)) or len(steps[0]) != 1 or steps[1][0] != 1
         ):
             raise cfg.ConfigError(f"{where}: `lr_ramp` needs a piecewise `steps` 1 -> k")
+        if "lr_scale" in arm and (
+            isinstance(steps, (int, str))
+            or len(steps[0]) != 1
+            or steps[1][0] != 1
+            or isinstance(arm["lr_scale"], bool)
+            or not isinstance(arm["lr_scale"], (int, float))
+            or not arm["lr_scale"] > 0
+            or "lr_ramp" in arm
+        ):
+            raise cfg.ConfigError(
+                f"{where}: `lr_scale` is a number > 0, with a piecewise `steps` 1 -> k and "
+                "no `lr_ramp`"
+            )
+        if arm.get("scaling_rule", c["scaling_rule"]) not in _RULES:
+            raise cfg.ConfigError(f"{where}: `scaling_rule` must be one of {_RULES}")
+        forms = arm.get("beta_forms", ["fixed", "fixed"])
+        if (
+            not isinstance(forms, (list, tuple))
+            or len(forms) != 2
+            or any(f not in BETA_FORMS for f in forms)
+        ):
+            raise cfg.ConfigError(
+                f"{where}: `beta_forms` must be [form of beta_1, form of beta_2], each one of "
+                f"{BETA_FORMS}. Received: {forms!r}"
+            )
+        if arm.get("bias_correction", "products") not in BIAS_CORRECTIONS:
+            raise cfg.ConfigError(f"{where}: `bias_correction` must be one of {BIAS_CORRECTIONS}")
     unknown = set(c["repeat"]) - set(c["arms"])
     if unknown:
         raise cfg.ConfigError(f"`repeat` names arms that do not exist: {sorted(unknown)}")
@@ -250,6 +299,75 @@ class SwitchLrRamp(keras.optimizers.schedules.LearningRateSchedule):
 
     def get_config(self):
         return {"at": self.at, "ramp": self.ramp, "ratio": self.ratio}
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_experiments")
+class SwitchLrScale(keras.optimizers.schedules.LearningRateSchedule):
+    """`inner`(t) before `at`, `inner`(t) x `factor` from `at` on (with
+    `factor` = 1/k the per-update lr of a switch 1 -> k stays kappa = 1's)."""
+
+    def __init__(self, inner, at, factor):
+        self.inner, self.at, self.factor = inner, int(at), float(factor)
+
+    def __call__(self, step):
+        t = tf.cast(step, tf.float32)
+        return self.inner(step) * tf.where(t < self.at, 1.0, self.factor)
+
+    def get_config(self):
+        return {"at": self.at, "factor": self.factor}
+
+
+class ArmInvariantAdam(ka.InvariantAdam):
+    """InvariantAdam with two study-only departures, each to change one
+    thing at a switch (issue #42, the causes of the spike):
+
+    * `beta_forms` (form of beta_1, form of beta_2): a window's betas
+      scaled by these forms of `keras_accum.scaling.BETA_FORMS` instead of
+      the rule's (lr_k = kappa_k lr stays as under every rule); e.g.
+      ("fixed", "fixed") keeps beta_2 per update at its kappa = 1 value,
+      where "fixed_beta_1" takes it to beta_2 ** kappa.
+    * `bias_correction="updates"`: alpha_k = lr_k sqrt(1 - beta_2,k ** k) /
+      (1 - beta_1,k ** k) with k the update count and beta_i,k this
+      window's betas, as Adam given the scaled betas would compute, instead
+      of the library's products P_i of the betas each window used (which
+      make the correction at a switch that of kappa = 1 at the same
+      examples under "fixed_beta_1" and "power"). The products are still
+      kept.
+    """
+
+    def __init__(self, *args, beta_forms=None, bias_correction="products", **kwargs):
+        super().__init__(*args, **kwargs)
+        forms = scaling.BETA_FORMS[self.scaling_rule] if beta_forms is None else beta_forms
+        self.beta_forms = tuple(forms)
+        top = schedules.steps_range(self.steps)[1]
+        for (name, beta), form in zip((("beta_1", self.beta_1), ("beta_2", self.beta_2)), forms):
+            if form == "linear":
+                scaling.check_linear_beta(top, name, beta, argument="beta_forms")
+        self.bias_correction = bias_correction
+
+    def _window_factors(self, replicas):
+        steps = self.window_steps
+        if not isinstance(steps, int):
+            steps = ops.cast(steps, "float32")
+        kappa = steps * replicas
+        form_1, form_2 = self.beta_forms
+        return (
+            steps,
+            scaling.one_minus_beta(self.beta_1, kappa, form_1),
+            scaling.one_minus_beta(self.beta_2, kappa, form_2),
+        )
+
+    def _scaled_rate(self, replicas, keep=True):
+        learning_rate, correction = super()._scaled_rate(replicas, keep)
+        if self.bias_correction == "products":
+            return learning_rate, correction
+        _, rate_1, rate_2 = self._window_factors(replicas)
+        k = ops.cast(_compat.update_counter(self), "float32") + 1.0
+        beta_1 = 1.0 - ops.convert_to_tensor(rate_1, "float32")
+        beta_2 = 1.0 - ops.convert_to_tensor(rate_2, "float32")
+        # sqrt(1 - beta_2,k ** k) / (1 - beta_1,k ** k)
+        correction = ops.sqrt(1.0 - ops.power(beta_2, k)) / (1.0 - ops.power(beta_1, k))
+        return learning_rate, correction
 
 
 @keras.saving.register_keras_serializable(package="keras_accum_experiments")
@@ -347,7 +465,7 @@ class ControlsStudy:
         c = self.config
         lr = 1e-3
         decay = arm.get("decay", "constant")
-        if decay != "constant" or "lr_ramp" in arm:
+        if decay != "constant" or "lr_ramp" in arm or "lr_scale" in arm:
             peak = tf.Variable(1e-3, trainable=False, dtype="float32", name="peak_lr")
             self._peaks[name] = peak
             if decay == "cosine":
@@ -359,10 +477,21 @@ class ControlsStudy:
             if "lr_ramp" in arm:
                 [at], [_, ratio] = arm["steps"]
                 lr = SwitchLrRamp(lr, at, arm["lr_ramp"], ratio)
+            if "lr_scale" in arm:
+                lr = SwitchLrScale(lr, arm["steps"][0][0], arm["lr_scale"])
         hyper = {"learning_rate": lr, "beta_1": c["beta_1"], "beta_2": c["beta_2"]}
         hyper["epsilon"] = c["epsilon"]
         steps = arm_steps(arm, c)
-        return optimizers.build("invariant_adam", steps, hyper, scaling_rule=c["scaling_rule"])
+        rule = arm.get("scaling_rule", c["scaling_rule"])
+        if "beta_forms" in arm or "bias_correction" in arm:
+            return ArmInvariantAdam(
+                **hyper,
+                steps=steps,
+                scaling_rule=rule,
+                beta_forms=arm.get("beta_forms"),
+                bias_correction=arm.get("bias_correction", "products"),
+            )
+        return optimizers.build("invariant_adam", steps, hyper, scaling_rule=rule)
 
     def run_one(self, name, seed, lr, rerun=0):
         c = self.config
@@ -522,8 +651,10 @@ def run_study(config, workdir):
 __all__ = [
     "DEFAULTS",
     "TASKS",
+    "ArmInvariantAdam",
     "ControlsStudy",
     "CosineToZero",
+    "SwitchLrScale",
     "WarmupStableDecay",
     "resolve_config",
     "run_study",
