@@ -68,6 +68,8 @@ def test_docs_cosine_warmup_sentences_recompute_from_the_committed_files():
         f"({_reached(four)} of 8 reach)."
     )
     assert short in words, short
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert short in readme, short  # the README's short answer says the same
     body = (
         f"1 -> 2 -> 4 ends {_ci(steps)} from kappa = 1 with cosine (not an equivalence: 8 seeds) "
         f"and reaches its T + sigma in {_reached(steps)} of 8 seeds, with {saving:.0%} fewer "
