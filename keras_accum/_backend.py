@@ -7,7 +7,13 @@ TensorFlow (which on a GPU would take the device's memory from JAX): an
 feature that was used.
 """
 
+import contextlib
+import functools
+import operator
+
 import keras
+import numpy as np
+from keras import ops
 
 BACKEND = keras.backend.backend()
 IS_TENSORFLOW = BACKEND == "tensorflow"
@@ -37,6 +43,49 @@ if IS_TENSORFLOW:
     import tensorflow as tf
 else:
     tf = _TensorFlowOnly("tf", (), {})
+
+
+# A `tf.Module` under TensorFlow (`tf.train.Checkpoint` finds its
+# variables), a plain object elsewhere.
+Module = tf.Module if IS_TENSORFLOW else object
+
+
+def map_structure(fn, struct):
+    """`fn` on every leaf of `struct`, a `None` leaf (no sample weight)
+    left alone: `tf.nest` under TensorFlow, `keras.tree` elsewhere."""
+    nest = tf.nest if IS_TENSORFLOW else keras.tree
+    return nest.map_structure(lambda t: None if t is None else fn(t), struct)
+
+
+def flatten(struct):
+    """The leaves of `struct` (`tf.nest` under TensorFlow, `keras.tree`
+    elsewhere)."""
+    return (tf.nest if IS_TENSORFLOW else keras.tree).flatten(struct)
+
+
+def add_n(terms):
+    """The sum of a list of tensors (`tf.add_n` under TensorFlow)."""
+    if IS_TENSORFLOW:
+        return tf.add_n(terms)
+    return functools.reduce(operator.add, terms)
+
+
+def static_value(value):
+    """`value`'s number when known now (a Python number, a constant, an
+    eager tensor), else None (traced)."""
+    if isinstance(value, (int, float, np.number)):
+        return value
+    if IS_TENSORFLOW:
+        return tf.get_static_value(value)
+    if not is_concrete(value):
+        return None
+    return np.asarray(ops.convert_to_numpy(value))
+
+
+def init_scope():
+    """TensorFlow's `init_scope` (eagerly, also while a graph is traced);
+    nothing elsewhere, where Python runs eagerly."""
+    return tf.init_scope() if IS_TENSORFLOW else contextlib.nullcontext()
 
 
 def scalar_int(value):

@@ -19,19 +19,6 @@ def _numpy(value):
     return ops.convert_to_numpy(ops.convert_to_tensor(value))
 
 
-def _map(fn, struct):
-    """`map_structure` that leaves `None` (no sample weight) alone."""
-    if _backend.IS_TENSORFLOW:
-        return tf.nest.map_structure(lambda t: None if t is None else fn(t), struct)
-    return keras.tree.map_structure(lambda t: None if t is None else fn(t), struct)
-
-
-def _flatten(struct):
-    if _backend.IS_TENSORFLOW:
-        return tf.nest.flatten(struct)
-    return keras.tree.flatten(struct)
-
-
 class NoiseScaleCallback(keras.callbacks.Callback):
     """Estimates B_simple during `model.fit` from a probe batch.
 
@@ -104,8 +91,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         if isinstance(data, tf.data.Dataset):
             self._arrays, self._iterator = None, iter(data.repeat())
         else:
-            self._arrays = _map(np.asarray, tuple(data))
-            size = len(_flatten(self._arrays)[0])
+            self._arrays = _backend.map_structure(np.asarray, tuple(data))
+            size = len(_backend.flatten(self._arrays)[0])
             if size < n:
                 raise ValueError(
                     "`data` must hold at least kappa * micro_batch_size = "
@@ -122,8 +109,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
     def _next_probe(self):
         n = self.kappa * self.micro_batch_size
         if self._arrays is not None:
-            idx = self._rng.choice(len(_flatten(self._arrays)[0]), n, replace=False)
-            data = _map(lambda a: a[idx], self._arrays)
+            idx = self._rng.choice(len(_backend.flatten(self._arrays)[0]), n, replace=False)
+            data = _backend.map_structure(lambda a: a[idx], self._arrays)
         else:
             data = next(self._iterator)
             size = tf.nest.flatten(data)[0].shape[0]
@@ -132,23 +119,24 @@ class NoiseScaleCallback(keras.callbacks.Callback):
                     "`data` batches must hold at least kappa * "
                     f"micro_batch_size = {n} examples. Received: {size}"
                 )
-            data = _map(lambda a: a[:n], data)
+            data = _backend.map_structure(lambda a: a[:n], data)
         if not _backend.IS_TENSORFLOW:
             return data  # numpy arrays, of one fixed shape: JAX compiles once
         # Tensors of one fixed shape: the tf.function traces once.
-        return _map(tf.convert_to_tensor, data)
+        return _backend.map_structure(tf.convert_to_tensor, data)
 
     def _probe(self, data):
         model, kappa, b = self.model, self.kappa, self.micro_batch_size
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         # [kappa * b, ...] -> [kappa, b, ...]: micro-batch i is t[i].
-        x, y, sw = _map(lambda t: tf.reshape(t, [kappa, b] + t.shape[1:].as_list()), (x, y, sw))
+        split = lambda t: tf.reshape(t, [kappa, b] + t.shape[1:].as_list())  # noqa: E731
+        x, y, sw = _backend.map_structure(split, (x, y, sw))
         weights = model.trainable_variables
         state = model.non_trainable_variables + model.metrics_variables
         saved = [tf.identity(v) for v in state]
 
         def body(i, small, acc):
-            xi, yi, swi = _map(lambda t: t[i], (x, y, sw))
+            xi, yi, swi = _backend.map_structure(lambda t: t[i], (x, y, sw))
             grads = _gradients.tape_gradients(model, xi, yi, swi)
             grads = [
                 _tensors.zeros_like_state(w) if g is None else tf.convert_to_tensor(g)
@@ -174,7 +162,10 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         if self._gradients is None or self._gradients.model is not model:
             self._gradients = _gradients.MicroBatchGradients(model)
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-        batches = (_map(lambda t: t[i * b : (i + 1) * b], (x, y, sw)) for i in range(kappa))
+        batches = (
+            _backend.map_structure(lambda t, i=i: t[i * b : (i + 1) * b], (x, y, sw))
+            for i in range(kappa)
+        )
         small, acc = 0.0, None
         for grads in self._gradients.gradients(batches):
             small = small + squared_norm(grads)

@@ -6,23 +6,14 @@ the running B_simple of `GradientNoiseScale`."""
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_accum import _backend, sharpness
 from keras_accum._backend import tf
-
-
-def _add_n(terms):
-    """The sum of a list of tensors (`tf.add_n` under TensorFlow)."""
-    if _backend.IS_TENSORFLOW:
-        return tf.add_n(terms)
-    return functools.reduce(operator.add, terms)
 
 
 def _value(t):
@@ -57,7 +48,7 @@ def squared_norm(grads: Sequence[Any], weights: Sequence[Any] | None = None) -> 
     """
     weights = [None] * len(grads) if weights is None else list(weights)
     terms = [_sq_norm_one(g, w) for g, w in zip(grads, weights)]
-    return _add_n(terms or [ops.zeros((), "float32")])
+    return _backend.add_n(terms or [ops.zeros((), "float32")])
 
 
 def euclidean_noise_norm(optimizer: Any = None):
@@ -114,20 +105,8 @@ def noise_estimate_norm(noise_estimate: Any, optimizer: Any = None):
     return noise_estimate(optimizer)
 
 
-def _static(value):
-    """`value`'s number when known now (a Python number, a constant, an
-    eager tensor), else None (traced)."""
-    if isinstance(value, (int, float, np.number)):
-        return value
-    if _backend.IS_TENSORFLOW:
-        return tf.get_static_value(value)
-    if not _backend.is_concrete(value):
-        return None
-    return np.asarray(ops.convert_to_numpy(value))
-
-
 def _check_sizes(small_batch, big_batch):
-    b, B = _static(small_batch), _static(big_batch)
+    b, B = _backend.static_value(small_batch), _backend.static_value(big_batch)
     if b is not None and not b > 0:
         raise ValueError(f"`small_batch` must be > 0. Received: small_batch={b}")
     if b is not None and B is not None and not B > b:
@@ -171,15 +150,10 @@ def _mean_grad(column):
             tf.concat([g.indices for g in column], 0),
             column[0].dense_shape,
         )
-    return _add_n([ops.convert_to_tensor(g) for g in column]) / len(column)
+    return _backend.add_n([ops.convert_to_tensor(g) for g in column]) / len(column)
 
 
-# A `tf.Module` under TensorFlow (`tf.train.Checkpoint` finds its variables),
-# a plain object elsewhere.
-_Module = tf.Module if _backend.IS_TENSORFLOW else object
-
-
-class GradientNoiseScale(_Module):
+class GradientNoiseScale(_backend.Module):
     """Running B_simple from bias-corrected EMAs of ``|G|^2`` and tr(Sigma).
 
     State (float32 variables; under TensorFlow `tf.Variable`s of this
@@ -253,7 +227,7 @@ class GradientNoiseScale(_Module):
                 f"`micro_grads` needs at least 2 micro-batches. Received: len(micro_grads)={kappa}"
             )
         norm = self._squared_norm
-        small = _add_n([norm(g) for g in micro_grads]) / kappa
+        small = _backend.add_n([norm(g) for g in micro_grads]) / kappa
         big = norm([_mean_grad(col) for col in zip(*micro_grads)])
         return self.update(small, big, micro_batch_size, kappa * micro_batch_size)
 

@@ -7,14 +7,12 @@ mismatch raises, and a state loaded before the optimizer is built (a model
 compiled but not trained yet) is kept and restored when it is built.
 """
 
-import contextlib
 import warnings
 
 import keras
 import numpy as np
 
 from keras_accum import _backend
-from keras_accum._backend import tf
 
 
 class StateMixin:
@@ -91,7 +89,6 @@ class StateMixin:
                 stacklevel=2,
             )
             return
-        eager = tf.init_scope() if _backend.IS_TENSORFLOW else contextlib.nullcontext()
-        with eager:  # once, eagerly, also when built while tracing
+        with _backend.init_scope():  # once, eagerly, also when built while tracing
             for variable, value in zip(self.variables, state):
                 variable.assign(value)
