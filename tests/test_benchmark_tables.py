@@ -42,6 +42,14 @@ def test_every_row_of_the_table_is_the_raw_files(backend):
         assert f"69 at {min(high):.2f}-{max(high):.2f} ms" in text
         assert f"19 at {min(low):.2f}-{max(low):.2f} ms" in text
         assert f"2 near {sum(middle) / 2:.1f}" in text
+        both = _load("tensorflow_after_2cores")
+        assert both["device"]["cpu_affinity"] == [0, 1]
+        every = [x for r in both["rows"] for x in r["ms_per_micro_batch"]]
+        high, low = [x for x in every if x > 15.0], [x for x in every if x <= 15.0]
+        assert (
+            f"{len(high)} of {len(every)} rounds at {min(high):.2f}-{max(high):.2f} ms, "
+            f"{len(low)} at {min(low):.2f}-{max(low):.2f} ms"
+        ) in " ".join(text.split())
         return
     for row in rows:
         assert row in text, row
