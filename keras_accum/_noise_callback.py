@@ -128,8 +128,10 @@ class NoiseScaleCallback(keras.callbacks.Callback):
     def _probe(self, data):
         model, kappa, b = self.model, self.kappa, self.micro_batch_size
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-        # [kappa * b, ...] -> [kappa, b, ...]: micro-batch i is t[i].
-        split = lambda t: tf.reshape(t, [kappa, b] + t.shape[1:].as_list())  # noqa: E731
+
+        def split(t):  # [kappa * b, ...] -> [kappa, b, ...]: micro-batch i is t[i]
+            return tf.reshape(t, [kappa, b] + t.shape[1:].as_list())
+
         x, y, sw = _backend.map_structure(split, (x, y, sw))
         weights = model.trainable_variables
         state = model.non_trainable_variables + model.metrics_variables

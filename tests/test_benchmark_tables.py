@@ -60,3 +60,29 @@ def test_the_before_runs_are_the_old_library_and_the_after_runs_this_one():
         before, after = _load(f"{backend}_before"), _load(f"{backend}_after")
         assert before["git"]["commit"].startswith("1f01bb0")
         assert after["git"]["commit"].startswith("c3deb3c")
+
+
+def test_the_benchmarks_guide_quotes_the_raw_files():
+    """The guide's PyTorch MLP ratios (0.3.0 -> now, over plain Adam; now,
+    over Keras's accumulation) and JAX's range over Keras's accumulation."""
+    guide = " ".join((ROOT / "docs" / "guides" / "benchmarks.md").read_text().split())
+
+    def ratio(name, model, arm, base):
+        rows = {(r["model"], r["arm"]): r for r in _load(name)["rows"]}
+        return rows[(model, arm)][f"ratio_to_{base}"]["median"]
+
+    def change(arm):
+        before = ratio("torch_before", "mlp", arm, "plain_adam")
+        return f"from {before:.2f}x", f"to {ratio('torch_after', 'mlp', arm, 'plain_adam'):.2f}x"
+
+    uaa, ia, ga = change("update_adam"), change("invariant"), change("grad_accum")
+    assert f"UpdateAccumulationAdam went {uaa[0]} plain Adam per micro-batch {uaa[1]}" in guide
+    assert f"InvariantAdam {ia[0]} {ia[1]}" in guide
+    assert f"GradientAccumulation {ga[0]} {ga[1]}" in guide
+    ours = ("grad_accum", "update_adam", "invariant")
+    jax = [ratio("jax_after", m, a, "keras_gas") for m in ("mlp", "cnn") for a in ours]
+    assert f"{min(jax):.2f}-{max(jax):.2f}x Keras's own accumulation" in guide
+    torch_keras = [
+        ratio("torch_after", "mlp", a, "keras_gas") for a in ("update_adam", "invariant")
+    ]
+    assert f"({torch_keras[0]:.2f}x and {torch_keras[1]:.2f}x)" in guide
