@@ -125,7 +125,7 @@ def adam_moments(momentums, velocities, grads, rate_1, rate_2, keep=True):
             torch._foreach_mul_(m, 1 - rate_1)
             torch._foreach_add_(m, grads, alpha=rate_1)
             torch._foreach_mul_(v, 1 - rate_2)
-            torch._foreach_add_(v, torch._foreach_mul(grads, grads), alpha=rate_2)
+            torch._foreach_addcmul_(v, grads, grads, value=rate_2)
         return
     if keep is False:
         return
@@ -149,7 +149,7 @@ def decayed_moments(momentums, velocities, grads, keep, take):
             if keep_2 != 1.0:
                 torch._foreach_mul_(v, keep_2)
             torch._foreach_add_(m, grads, alpha=take_1)
-            torch._foreach_add_(v, torch._foreach_mul(grads, grads), alpha=take_2)
+            torch._foreach_addcmul_(v, grads, grads, value=take_2)
         return
     for m, v, g in zip(momentums, velocities, grads):
         cast = lambda pair, dtype=m.dtype: tuple(ops.cast(x, dtype) for x in pair)
@@ -174,6 +174,28 @@ def adam_steps(momentums, velocities, alphas, epsilon):
         equations.adam_step(m, v, alpha, epsilon)
         for m, v, alpha in zip(momentums, velocities, alphas)
     ]
+
+
+def add_adam_steps(updates, momentums, velocities, alphas, epsilon, start):
+    """A = step at the window's start, else A + step, for each variable:
+    `window_sums` of `adam_steps`. Under PyTorch one fused
+    `torch._foreach_addcdiv_` adds alpha m / (sqrt(v) + epsilon) into A in
+    place, the same arithmetic with two temporaries where the two calls
+    make four."""
+    if _in_place() and isinstance(start, bool):
+        with torch.no_grad():
+            m, v, targets = _values(momentums), _values(velocities), _values(updates)
+            denominators = torch._foreach_sqrt(v)
+            torch._foreach_add_(denominators, epsilon)
+            if all(alpha is alphas[0] for alpha in alphas):  # one dtype
+                scaled = torch._foreach_mul(m, alphas[0])
+            else:
+                scaled = [x * alpha for x, alpha in zip(m, alphas)]
+            if start:
+                torch._foreach_zero_(targets)
+            torch._foreach_addcdiv_(targets, scaled, denominators)
+        return
+    window_sums(updates, adam_steps(momentums, velocities, alphas, epsilon), start)
 
 
 def window_sums(totals, values, start):

@@ -126,12 +126,14 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         if self._updates is not None:
             # A = step at the window's start, else A + step (a skip adds 0).
             updates = [self._updates[i] for i in indices]
+            if ok is True:
+                kernels.add_adam_steps(updates, momentums, velocities, alphas, self.epsilon, start)
+                return
             if ok is False:
                 steps = [ops.zeros_like(g) for g in grads]
             else:
                 steps = kernels.adam_steps(momentums, velocities, alphas, self.epsilon)
-                if ok is not True:
-                    steps = [ops.where(ok, x, ops.zeros_like(x)) for x in steps]
+                steps = [ops.where(ok, x, ops.zeros_like(x)) for x in steps]
             kernels.window_sums(updates, steps, start)
             return
         # steps == 1: Keras's Adam, decay and step at once.

@@ -86,3 +86,37 @@ def test_the_benchmarks_guide_quotes_the_raw_files():
         ratio("torch_after", "mlp", a, "keras_gas") for a in ("update_adam", "invariant")
     ]
     assert f"({torch_keras[0]:.2f}x and {torch_keras[1]:.2f}x)" in guide
+
+
+def test_the_fused_kernels_section_is_the_raw_files():
+    """PyTorch before and after the fused kernels: every row, the two
+    commits, the quoted medians and the aten op counts of the digests."""
+    before, after = _load("torch_fused_before"), _load("torch_fused_after")
+    assert before["git"] == {"commit": after["git"]["commit"], "modified": False}
+    assert before["git"]["commit"].startswith("4628b10") and after["git"]["modified"]
+    assert before["rounds"] == after["rounds"] == 9
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    for row in backend_table.table(before, after).splitlines()[2:]:
+        assert row in text, row
+
+    def median(run, arm):
+        rows = {(r["model"], r["arm"]): r for r in run["rows"]}
+        return rows[("mlp", arm)]["ratio_to_plain_adam"]["median"]
+
+    words = " ".join(text.split())
+    uaa = f"{median(before, 'update_adam'):.2f}x -> {median(after, 'update_adam'):.2f}x"
+    assert f"UAA on the MLP {uaa} plain Adam" in words
+    ia = f"IA {median(before, 'invariant'):.2f}x -> {median(after, 'invariant'):.2f}x"
+    assert ia in words
+
+    def ops(name):
+        lines = (RAW / f"torch_fused_{name}.txt").read_text().split("\n")
+        return {tuple(line.split()[:3]): line.split()[4] for line in lines if line}
+
+    old, new = ops("before"), ops("after")
+    for key, (optimizer, width) in {
+        "UAA": ("update_accumulation_adam", "64"),
+        "IA": ("invariant_adam", "64"),
+    }.items():
+        pair = f"{old[(optimizer, 'torch', width)]} -> {new[(optimizer, 'torch', width)]}"
+        assert pair in words, (key, pair)
