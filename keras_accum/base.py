@@ -228,7 +228,7 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
             self._refuse_weight(weight)
         elif weight is None:  # `weigh_micro_batches` under model.fit
             weight = self._default_weight()
-        weight = weighing.check_weight(weight)
+        weight = 1.0 if weight is None else weighing.check_weight(weight)
         self._check_strategy()
         if not self.built:
             with keras.name_scope(self.name, caller=self):

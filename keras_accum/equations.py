@@ -14,10 +14,12 @@ of kappa micro-batches g_1 .. g_kappa (ALGORITHMS.md):
 * `UpdateAccumulationAdam`: `adam_moments` and `adam_step` into A per
   micro-batch; at the end theta - A, after `decayed`.
 
+`one_minus_beta` is InvariantAdam's 1 - beta_k of one window.
 `adam_alpha` is `keras.optimizers.Adam`'s bias-corrected rate, in its own
 form, so that `steps=1` equals Keras's Adam bit for bit on every backend.
 """
 
+import math
 import operator
 
 from keras import ops
@@ -79,3 +81,19 @@ def adam_alpha(learning_rate, count, beta_1, beta_2, dtype):
 def decayed(theta, weight_decay, learning_rate):
     """Decoupled weight decay: theta - theta weight_decay lr."""
     return theta - theta * weight_decay * learning_rate
+
+
+def one_minus_beta(beta, kappa, form):
+    """1 - beta_k for a window of `kappa` micro-batches, `form` one of
+    `keras_accum.scaling.BETA_FORMS`'s: kappa (1 - beta) ("linear"),
+    1 - beta ** kappa ("power") or 1 - beta ("fixed"). Python numbers in, a
+    Python number out; else a float32 tensor."""
+    if form == "fixed":
+        return 1 - beta
+    if isinstance(kappa, (int, float)):
+        return kappa * (1 - beta) if form == "linear" else 1 - beta**kappa
+    kappa = ops.cast(kappa, "float32")
+    if form == "linear":
+        return kappa * (1 - beta)
+    # 1 - beta ** kappa = -expm1(kappa log beta), accurate when beta ~ 1.
+    return -ops.expm1(kappa * ops.cast(math.log(beta), "float32")) if beta > 0 else 1.0

@@ -205,8 +205,8 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         form_1, form_2 = scaling.BETA_FORMS[self.scaling_rule]
         return (
             steps,
-            scaling.one_minus_beta(self.beta_1, kappa, form_1),
-            scaling.one_minus_beta(self.beta_2, kappa, form_2),
+            equations.one_minus_beta(self.beta_1, kappa, form_1),
+            equations.one_minus_beta(self.beta_2, kappa, form_2),
         )
 
     def _scaled_rate(self, replicas, keep=True):

@@ -180,8 +180,8 @@ def add_adam_steps(updates, momentums, velocities, alphas, epsilon, start):
     """A = step at the window's start, else A + step, for each variable:
     `window_sums` of `adam_steps`. Under PyTorch one fused
     `torch._foreach_addcdiv_` adds alpha m / (sqrt(v) + epsilon) into A in
-    place, the same arithmetic with two temporaries where the two calls
-    make four."""
+    place: the same formula with two temporaries where the two calls make
+    four."""
     if _in_place() and isinstance(start, bool):
         with torch.no_grad():
             m, v, targets = _values(momentums), _values(velocities), _values(updates)

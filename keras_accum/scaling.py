@@ -42,11 +42,9 @@ Two more quantities integrate over updates and are rescaled when given:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from keras import ops
-
+from keras_accum.equations import one_minus_beta  # noqa: F401  (0.3.0's name, kept)
 from keras_accum.validation import check_choice, check_float
 
 RULES = ("invariant", "sqrt", "power", "fixed_beta_1")
@@ -158,19 +156,3 @@ def check_scaling_rule(rule: Any, beta_1: float, beta_2: float, max_kappa: int) 
         if form == "linear":
             check_linear_beta(max_kappa, name, beta, argument="scaling_rule")
     return rule
-
-
-def one_minus_beta(beta: float, kappa: Any, form: Any) -> Any:
-    """1 - beta_k for a window of `kappa` micro-batches, `form` one of
-    `BETA_FORMS`'s: kappa (1 - beta) ("linear"), 1 - beta ** kappa ("power")
-    or 1 - beta ("fixed"). Python numbers in, a Python number out; else a
-    float32 tensor."""
-    if form == "fixed":
-        return 1 - beta
-    if isinstance(kappa, (int, float)):
-        return kappa * (1 - beta) if form == "linear" else 1 - beta**kappa
-    kappa = ops.cast(kappa, "float32")
-    if form == "linear":
-        return kappa * (1 - beta)
-    # 1 - beta ** kappa = -expm1(kappa log beta), accurate when beta ~ 1.
-    return -ops.expm1(kappa * ops.cast(math.log(beta), "float32")) if beta > 0 else 1.0

@@ -272,10 +272,8 @@ class FitItems:
 
 
 def check_weight(weight):
-    """`apply(weight=...)`: None (1), a number > 0 or a scalar tensor (its
-    value checked when eager), or `ReplicaItems`."""
-    if weight is None:
-        return 1.0
+    """`apply(weight=...)` given (None means 1 there): a number > 0 or a
+    scalar tensor (its value checked when eager), or `ReplicaItems`."""
     if isinstance(weight, ReplicaItems):
         return weight
     error = f"`weight` must be a scalar number > 0. Received: weight={weight!r}"

@@ -76,7 +76,7 @@ import tensorflow as tf
 from keras import ops
 
 import keras_accum as ka
-from keras_accum import _compat, scaling, schedules
+from keras_accum import _compat, equations, scaling, schedules
 from keras_accum.experiments import charlm, data, optimizers, study_runner
 from keras_accum.experiments import config as cfg
 from keras_accum.experiments.invariance.report import write_csv
@@ -353,8 +353,8 @@ class ArmInvariantAdam(ka.InvariantAdam):
         form_1, form_2 = self.beta_forms
         return (
             steps,
-            scaling.one_minus_beta(self.beta_1, kappa, form_1),
-            scaling.one_minus_beta(self.beta_2, kappa, form_2),
+            equations.one_minus_beta(self.beta_1, kappa, form_1),
+            equations.one_minus_beta(self.beta_2, kappa, form_2),
         )
 
     def _scaled_rate(self, replicas, keep=True):
