@@ -79,11 +79,19 @@ class AdamFamily(AccumulationOptimizer):
         `keras.optimizers.Adam` computes it."""
         return equations.adam_alpha(learning_rate, count, self.beta_1, self.beta_2, dtype)
 
+    def _decay_of(self, variable, learning_rate):
+        """(weight_decay, lr) in `variable`'s dtype where the update decays
+        it (`equations.decayed`: theta - theta weight_decay lr, Keras's
+        form), else None."""
+        if self.weight_decay is None or not _compat.uses_weight_decay(self, variable):
+            return None
+        dtype = variable.dtype
+        return ops.cast(self.weight_decay, dtype), ops.cast(learning_rate, dtype)
+
     def _decay(self, variable, lr):
-        if self.weight_decay is not None and _compat.uses_weight_decay(self, variable):
-            # theta = theta - theta * weight_decay * lr (Keras's form)
-            weight_decay = ops.cast(self.weight_decay, variable.dtype)
-            variable.assign(equations.decayed(variable, weight_decay, lr))
+        decay = self._decay_of(variable, lr)
+        if decay is not None:
+            variable.assign(equations.decayed(variable, *decay))
 
     def get_config(self):
         config = super().get_config()

@@ -273,19 +273,24 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         update_count = self.iterations + 1
         if self.scaling_rule is not None:
             learning_rate, update_count = self._scaled_rate(1, keep)
+        indices = [_compat.variable_index(self, var) for var in variables]
+        alphas = {}  # alpha_t, once per dtype
         for var in variables:
-            index = _compat.variable_index(self, var)
-            m, v = self._momentums[index], self._velocities[index]
+            if var.dtype in alphas:
+                continue
             if self.scaling_rule is None:
-                alpha = self._adam_alpha(learning_rate, update_count, var.dtype)
+                alphas[var.dtype] = self._adam_alpha(learning_rate, update_count, var.dtype)
             else:  # `update_count` is the bias correction
-                alpha = ops.cast(learning_rate * update_count, var.dtype)
-            theta = ops.convert_to_tensor(var)
-            if self.weight_decay is not None and _compat.uses_weight_decay(self, var):
-                rate = ops.cast(learning_rate, var.dtype)
-                theta = equations.decayed(theta, ops.cast(self.weight_decay, var.dtype), rate)
-            step = equations.adam_step(m, v, alpha, self.epsilon)
-            var.assign(kernels.masked(keep, theta - step, var))
+                alphas[var.dtype] = ops.cast(learning_rate * update_count, var.dtype)
+        # theta = decayed(theta) - alpha m / (sqrt(v) + epsilon)
+        steps = kernels.adam_steps(
+            [self._momentums[i] for i in indices],
+            [self._velocities[i] for i in indices],
+            [alphas[var.dtype] for var in variables],
+            self.epsilon,
+        )
+        decays = [self._decay_of(var, learning_rate) for var in variables]
+        kernels.subtract(variables, steps, keep, decays)
 
     def get_config(self):
         config = super().get_config()

@@ -213,14 +213,22 @@ def window_sums(totals, values, start):
         total.assign(equations.window_sum(total, value, start))
 
 
-def subtract(variables, deltas, keep=True):
-    """theta = theta - delta for each variable, where `keep` holds."""
+def subtract(variables, deltas, keep=True, decays=None):
+    """theta = theta - delta for each variable, where `keep` holds. With
+    `decays` (per variable None, or the (weight_decay, lr) of
+    `equations.decayed`) theta is decayed first: decayed(theta) - delta."""
+    decays = decays or [None] * len(variables)
     if _in_place() and keep is True:
         with torch.no_grad():
+            for variable, decay in zip(variables, decays):
+                if decay is not None:
+                    variable.value.copy_(equations.decayed(variable.value, *decay))
             torch._foreach_sub_(_values(variables), deltas)
         return
     if keep is False:
         return
-    for variable, delta in zip(variables, deltas):
+    for variable, delta, decay in zip(variables, deltas, decays):
         theta = ops.convert_to_tensor(variable)
-        variable.assign(masked(keep, theta - ops.cast(delta, variable.dtype), theta))
+        if decay is not None:
+            theta = equations.decayed(theta, *decay)
+        variable.assign(masked(keep, theta - ops.cast(delta, variable.dtype), variable))

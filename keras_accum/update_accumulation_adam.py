@@ -139,22 +139,18 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         # steps == 1: Keras's Adam, decay and step at once.
         learning_rate = self.learning_rate
         for var in variables:
-            if self.weight_decay is not None and _compat.uses_weight_decay(self, var):
-                rate = ops.cast(learning_rate, var.dtype)
-                decayed = equations.decayed(var, ops.cast(self.weight_decay, var.dtype), rate)
-                var.assign(kernels.masked(ok, decayed, var))
+            decay = self._decay_of(var, learning_rate)
+            if decay is not None:
+                var.assign(kernels.masked(ok, equations.decayed(var, *decay), var))
         steps = kernels.adam_steps(momentums, velocities, alphas, self.epsilon)
         kernels.subtract(variables, steps, ok)
 
     def _update(self, variables, keep):
         if self._updates is None:  # steps == 1: applied in the micro-step
             return
+        # theta = decayed(theta) - A
+        updates = [self._updates[_compat.variable_index(self, var)] for var in variables]
+        deltas = [ops.cast(a, var.dtype) for a, var in zip(updates, variables)]
         learning_rate = self.learning_rate
-        for var in variables:
-            update = self._updates[_compat.variable_index(self, var)]
-            theta = ops.convert_to_tensor(var)
-            if self.weight_decay is not None and _compat.uses_weight_decay(self, var):
-                rate = ops.cast(learning_rate, var.dtype)
-                theta = equations.decayed(theta, ops.cast(self.weight_decay, var.dtype), rate)
-            # theta = theta - A
-            var.assign(kernels.masked(keep, theta - ops.cast(update, var.dtype), var))
+        decays = [self._decay_of(var, learning_rate) for var in variables]
+        kernels.subtract(variables, deltas, keep, decays)
