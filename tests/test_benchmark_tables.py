@@ -120,3 +120,19 @@ def test_the_fused_kernels_section_is_the_raw_files():
     }.items():
         pair = f"{old[(optimizer, 'torch', width)]} -> {new[(optimizer, 'torch', width)]}"
         assert pair in words, (key, pair)
+
+
+def test_the_window_end_run_and_the_weights_swap_are_the_raw_files():
+    before, after = _load("torch_fused_before"), _load("torch_window_end")
+    assert after["git"] == {"commit": after["git"]["commit"], "modified": False}
+    assert after["git"]["commit"].startswith("a353d43") and after["rounds"] == 9
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    for row in backend_table.table(before, after).splitlines()[2:]:
+        assert row in text, row
+    words = " ".join(text.split())
+    swap = (RAW / "torch_cnn_weights_swap.txt").read_text()
+    ms = [line.split(": ")[1].split()[0] for line in swap.splitlines() if "ms" in line]
+    ia, uaa, plain, ia_swapped, uaa_swapped = ms
+    assert f"IA's model takes {ia} ms, UAA's {uaa} and plain Adam's {plain}" in words
+    assert f"IA's model takes {ia_swapped} ms and UAA's {uaa_swapped}" in words
+    assert float(ia_swapped) < float(uaa) * 1.05 and float(uaa_swapped) > float(ia) * 0.95
