@@ -158,18 +158,26 @@ def decayed_moments(momentums, velocities, grads, keep, take):
         v.assign(v_new)
 
 
+def _step_terms(momentums, velocities, alphas, epsilon):
+    """(alpha m, sqrt(v) + epsilon) per variable, as new torch tensors:
+    the numerator and denominator of Adam's step (PyTorch, in place on
+    the temporaries)."""
+    m, v = _values(momentums), _values(velocities)
+    denominators = torch._foreach_sqrt(v)
+    torch._foreach_add_(denominators, epsilon)
+    if all(alpha is alphas[0] for alpha in alphas):  # one dtype
+        return torch._foreach_mul(m, alphas[0]), denominators
+    return [x * alpha for x, alpha in zip(m, alphas)], denominators
+
+
 def adam_steps(momentums, velocities, alphas, epsilon):
     """[alpha m / (sqrt(v) + epsilon)] for each variable (`alphas`: one
     scalar per variable, in its dtype)."""
     if _in_place():
         with torch.no_grad():
-            m, v = _values(momentums), _values(velocities)
-            denominators = torch._foreach_add(torch._foreach_sqrt(v), epsilon)
-            if all(alpha is alphas[0] for alpha in alphas):  # one dtype
-                scaled = torch._foreach_mul(m, alphas[0])
-            else:
-                scaled = [x * alpha for x, alpha in zip(m, alphas)]
-            return torch._foreach_div(scaled, denominators)
+            scaled, denominators = _step_terms(momentums, velocities, alphas, epsilon)
+            torch._foreach_div_(scaled, denominators)
+            return scaled
     return [
         equations.adam_step(m, v, alpha, epsilon)
         for m, v, alpha in zip(momentums, velocities, alphas)
@@ -180,17 +188,11 @@ def add_adam_steps(updates, momentums, velocities, alphas, epsilon, start):
     """A = step at the window's start, else A + step, for each variable:
     `window_sums` of `adam_steps`. Under PyTorch one fused
     `torch._foreach_addcdiv_` adds alpha m / (sqrt(v) + epsilon) into A in
-    place: the same formula with two temporaries where the two calls make
-    four."""
+    place, with no temporary for the step itself."""
     if _in_place() and isinstance(start, bool):
         with torch.no_grad():
-            m, v, targets = _values(momentums), _values(velocities), _values(updates)
-            denominators = torch._foreach_sqrt(v)
-            torch._foreach_add_(denominators, epsilon)
-            if all(alpha is alphas[0] for alpha in alphas):  # one dtype
-                scaled = torch._foreach_mul(m, alphas[0])
-            else:
-                scaled = [x * alpha for x, alpha in zip(m, alphas)]
+            scaled, denominators = _step_terms(momentums, velocities, alphas, epsilon)
+            targets = _values(updates)
             if start:
                 torch._foreach_zero_(targets)
             torch._foreach_addcdiv_(targets, scaled, denominators)

@@ -32,27 +32,23 @@ EPOCHS = 10  # the bench's warm-up fit and its 9 rounds
 
 
 def forward_backward_ms(model, x, y, repeats=60):
-    """Median ms of one micro-batch's forward pass, loss and gradient."""
+    """Median ms of one micro-batch's forward pass, loss and gradient
+    (PyTorch's `backward`)."""
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = model.trainable_variables
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        if keras.backend.backend() == "torch":
-            for variable in variables:
-                variable.value.grad = None
-            loss(y, model(x, training=True)).backward()
-        else:
-            import tensorflow as tf
-
-            with tf.GradientTape() as tape:
-                value = loss(y, model(x, training=True))
-            tape.gradient(value, variables)
+        for variable in variables:
+            variable.value.grad = None
+        loss(y, model(x, training=True)).backward()
         times.append(time.perf_counter() - start)
     return float(np.median(times)) * 1e3
 
 
 def main():
+    if keras.backend.backend() != "torch":
+        sys.exit(f"weights_swap.py times PyTorch's backward pass; got {keras.backend.backend()}")
     backend_bench.FLAGS(sys.argv[:1])
     sizes, micro = backend_bench._settings("cnn")
     batch = sizes["batch"]
