@@ -69,6 +69,17 @@ def _branch(fn, conditions, known):
     )
 
 
+def read(handle, dtype):
+    """A variable's value through its resource handle (in a compiled
+    kernel; in replica context the local replica's component)."""
+    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+
+
+def write(handle, value):
+    """`value` into a variable through its resource handle."""
+    tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+
+
 # Below this many parameters (all the variables of one fold) the graph-mode
 # fold runs inline as TensorFlow ops: there one more kernel launch costs
 # more than the passes it saves (BENCHMARKS.md, "Graph-mode folds").

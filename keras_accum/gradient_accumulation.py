@@ -185,17 +185,44 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
     def _accumulators_of(self, variables):
         return [self._accumulators[_compat.variable_index(self, v)] for v in variables]
 
-    # -- the rule: one micro-batch, and the window's end ----------------------
+    # -- the rule: pure functions of values, which every driver runs ----------
+
+    @staticmethod
+    def weights(weight, replicas=1):
+        """(scale, share) of one micro-batch on one replica: w g, its
+        gradient g times `scale` (None: 1), is the replica's summed-loss
+        gradient, added to S; `share` is added to W, and the replicas'
+        shares add up to the micro-batch's weight. g is the replica's share
+        of the global mean over `weight` items, so scale = weight and
+        share = weight / replicas. Under `weigh_micro_batches` the weight
+        is this replica's own count n (`ReplicaItems`): its g is the mean
+        over n items / replicas, so scale = n replicas and share = n;
+        n = UNSET (no count recorded this step) counts the micro-batch as
+        one, n = 0 (every item weighs zero) adds nothing."""
+        if isinstance(weight, weighing.ReplicaItems):
+            items = ops.cast(weight.items, "float32")
+            recorded = items >= 0.0
+            scale = items if replicas == 1 else items * replicas
+            return ops.where(recorded, scale, 1.0), ops.where(recorded, items, 1.0 / replicas)
+        scale = ops.cast(weight, "float32")
+        share = scale if replicas == 1 else scale / replicas
+        return (None if isinstance(weight, float) and weight == 1.0 else scale), share
+
+    @staticmethod
+    def means(sums, total_weight):
+        """[S / W]: the window's weighted mean gradients. W = 0 only when
+        every item of the window weighs zero: then S = 0 too, and the big
+        batch's mean gradient is 0 (Keras divides its loss with
+        `divide_no_nan`), not 0 / 0."""
+        total_weight = ops.where(ops.equal(total_weight, 0.0), 1.0, total_weight)
+        return [total / total_weight for total in sums]
+
+    # -- how JAX and PyTorch write it (`keras_accum.drivers.portable`) ---------
 
     def _fold(self, grads, variables, weight, start, ok):
         accumulators = self._accumulators_of(variables)
         grads = [ops.cast(g, "float32") for g in grads]
-        if isinstance(weight, weighing.ReplicaItems):  # `weigh_micro_batches`
-            # n = UNSET (no count recorded this step) counts the micro-batch
-            # as one; n = 0 (every item weighs zero) adds nothing.
-            items = ops.cast(weight.items, "float32")
-            weight = ops.where(items >= 0.0, items, 1.0)
-        share = ops.convert_to_tensor(1.0 if weight is None else weight, "float32")
+        scale, share = self.weights(weight)
         if self.nonfinite == "skip_window" and kernels.EAGER:
             pass  # NaN and Inf propagate into S: checked once, at the window's end
         elif self.nonfinite == "skip_window":
@@ -204,6 +231,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
             # scalar, not a read of S on every micro-step).
             ok = kernels.finite(grads)
             share = kernels.masked(ok, share, ops.convert_to_tensor(float("nan"), "float32"))
+            grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
         if ok is False:
             # Eager: a skipped micro-batch adds nothing (and no weight); the
             # window's start still resets S and W.
@@ -214,12 +242,9 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
             added = share if self.nonfinite == "skip_window" else ops.zeros_like(share)
             self._weight.assign(equations.window_sum(self._weight, added, start))
             return
-        if ok is not True:  # JAX: the same as a mask
-            grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
-            if self.nonfinite != "skip_window":
-                share = share * ops.cast(ok, "float32")
-        if weight is not None:
-            scale = ops.convert_to_tensor(weight, "float32")
+        if ok is not True and self.nonfinite != "skip_window":  # JAX: no weight
+            share = share * ops.cast(ok, "float32")  # (the driver zeroed the gradient)
+        if scale is not None:
             grads = [scale * g for g in grads]
         # S = w g at the window's start, else S + w g; W likewise with w.
         kernels.window_sums(accumulators, grads, start)
@@ -245,9 +270,8 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
                 a.assign(ops.zeros_like(a))
 
     def _update(self, variables, keep):
-        weight = ops.convert_to_tensor(self._weight)
-        weight = ops.where(ops.equal(weight, 0.0), 1.0, weight)  # S = 0 too: mean 0
-        means = [a / weight for a in self._accumulators_of(variables)]
+        sums = [ops.convert_to_tensor(a) for a in self._accumulators_of(variables)]
+        means = self.means(sums, ops.convert_to_tensor(self._weight))
         # The driver's: a branch, or (traced JAX) the values its `lax.cond` takes.
         return self._step_inner(means, variables, keep)
 

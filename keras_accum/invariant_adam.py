@@ -1,5 +1,6 @@
 """Batch-size invariant Adam (Wang & Aitchison 2024, arXiv:2402.18824)."""
 
+import operator
 from typing import Any
 
 import keras
@@ -244,44 +245,84 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         kappa = ops.cast(steps, "float32") * replicas
         return ops.power(ops.convert_to_tensor(self.ema_momentum, "float32"), kappa)
 
-    # -- the rule: one micro-batch, and the window's end ----------------------
+    # -- the rule: pure functions of values, which every driver runs ----------
+
+    @staticmethod
+    def fold_factors(first, steps, square_factor, rate_1, rate_2):
+        """((keep_1, keep_2), (take_1, take_2)) of one micro-batch, for every
+        variable: keep_i = 1 - first (1 - beta_i,k) (`first` is 1 at a
+        window's first micro-batch, else 0: the window's decay, as a factor),
+        take_1 = (1 - beta_1,k) / steps and take_2 = (1 - beta_2,k)
+        square_factor, square_factor = replicas / steps (g_j / kappa and
+        g_j**2 / kappa with the replica factor of g = g_r / replicas undone
+        before squaring). Numbers or tensors, alike."""
+        keep = (1.0 - first * rate_1, 1.0 - first * rate_2)
+        return keep, (rate_1 / steps, rate_2 * square_factor)
+
+    @staticmethod
+    def increments(g, take, times=operator.mul):
+        """What one micro-batch's gradient adds to m and v: (g take_1,
+        g**2 take_2). The fold is affine in (m, v), so a driver may add these
+        to the rows a sparse gradient touches. `times` multiplies a gradient
+        term by its factor (TensorFlow passes `multiply_no_nan`, so that a
+        skipped micro-batch's NaN times its take of 0 is 0)."""
+        take_1, take_2 = take
+        return times(g, take_1), times(ops.square(g), take_2)
+
+    @staticmethod
+    def fold(m, v, g, keep, take, times=operator.mul):
+        """One micro-batch into one variable's moments: (m keep_1 + g take_1,
+        v keep_2 + g**2 take_2)."""
+        keep_1, keep_2 = keep
+        change_m, change_v = InvariantAdam.increments(g, take, times)
+        return m * keep_1 + change_m, v * keep_2 + change_v
+
+    @staticmethod
+    def step(m, v, alpha, epsilon):
+        """alpha m / (sqrt(v) + epsilon): what the window's end subtracts
+        from theta (after the decoupled weight decay)."""
+        return equations.adam_step(m, v, alpha, epsilon)
+
+    def alpha(self, learning_rate, correction, dtype):
+        """The window's step size in `dtype`: Keras Adam's alpha at update
+        count `correction`, or with a `scaling_rule` lr_k times the bias
+        correction sqrt(1 - P_2) / (1 - P_1) (`_scaled_rate`)."""
+        if self.scaling_rule is None:
+            return self._adam_alpha(learning_rate, correction, dtype)
+        return ops.cast(learning_rate * correction, dtype)
+
+    def rate_and_correction(self, replicas=1, keep=True):
+        """(learning rate, correction) of `alpha` for the window ending now:
+        (lr, updates + 1), or with a `scaling_rule` `_scaled_rate`'s (which
+        folds the window's betas into P_1, P_2 where `keep` holds)."""
+        if self.scaling_rule is None:
+            return self.learning_rate, _compat.update_counter(self) + 1
+        return self._scaled_rate(replicas, keep)
+
+    # -- how JAX and PyTorch write it (`keras_accum.drivers.portable`) ---------
 
     def _fold(self, grads, variables, weight, start, ok):
         indices = [_compat.variable_index(self, v) for v in variables]
         momentums = [self._momentums[i] for i in indices]
         velocities = [self._velocities[i] for i in indices]
+        # (A skipped micro-batch comes as zeros: a zero gradient in the window.)
         grads = [ops.cast(g, m.dtype) for g, m in zip(grads, momentums)]
-        if ok is False:  # eager: a skipped micro-batch counts as a zero gradient
-            grads = [ops.zeros_like(g) for g in grads]
-        elif ok is not True:
-            grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
         grads = self._clip_micro_batch(grads, 1)
         steps, rate_1, rate_2 = self._window_factors(1)
         if self._single_step():  # Keras Adam's form and rounding
             kernels.adam_moments(momentums, velocities, grads, rate_1, rate_2)
             return
-        if isinstance(start, bool):  # eager: 1 - first (1 - beta_i,k) in Python
-            keep = (1.0 - rate_1, 1.0 - rate_2) if start else (1.0, 1.0)
-        else:
-            first = ops.cast(start, "float32")
-            keep = (1.0 - first * rate_1, 1.0 - first * rate_2)
-        take = (rate_1 / steps, rate_2 * (1.0 / steps))
-        kernels.decayed_moments(momentums, velocities, grads, keep, take)
+        first = kernels.flag(start, "float32")
+        keep, take = self.fold_factors(first, steps, 1.0 / steps, rate_1, rate_2)
+        kernels.decayed_moments(momentums, velocities, grads, keep, take, self.fold)
 
     def _update(self, variables, keep):
-        learning_rate = self.learning_rate
-        update_count = self.iterations + 1
-        if self.scaling_rule is not None:
-            learning_rate, update_count = self._scaled_rate(1, keep)
+        learning_rate, correction = self.rate_and_correction(1, keep)
         indices = [_compat.variable_index(self, var) for var in variables]
         alphas = {}  # alpha_t, once per dtype
         for var in variables:
-            if var.dtype in alphas:
-                continue
-            if self.scaling_rule is None:
-                alphas[var.dtype] = self._adam_alpha(learning_rate, update_count, var.dtype)
-            else:  # `update_count` is the bias correction
-                alphas[var.dtype] = ops.cast(learning_rate * update_count, var.dtype)
+            if var.dtype not in alphas:
+                alphas[var.dtype] = self.alpha(learning_rate, correction, var.dtype)
         # theta = decayed(theta) - alpha m / (sqrt(v) + epsilon)
         steps = kernels.adam_steps(
             [self._momentums[i] for i in indices],

@@ -135,11 +135,12 @@ def adam_moments(momentums, velocities, grads, rate_1, rate_2, keep=True):
         v.assign(masked(keep, v_new, v))
 
 
-def decayed_moments(momentums, velocities, grads, keep, take):
-    """InvariantAdam's fold: m = m keep_1 + g take_1, v = v keep_2 + g**2
-    take_2 for each variable (`equations.decayed_moments`). `keep` and
-    `take` are pairs of scalars; a keep of exactly 1 (inside a window,
-    PyTorch) skips the multiply."""
+def decayed_moments(momentums, velocities, grads, keep, take, fold=equations.decayed_moments):
+    """InvariantAdam's fold: (m, v) = fold(m, v, g, keep, take), i.e. m keep_1
+    + g take_1 and v keep_2 + g**2 take_2, for each variable. `keep` and
+    `take` are pairs of scalars; under PyTorch the same sums are written in
+    place (`_foreach`; a keep of exactly 1, inside a window, skips the
+    multiply)."""
     (keep_1, keep_2), (take_1, take_2) = keep, take
     if _in_place() and all(_is_number(x) for x in (keep_1, keep_2, take_1, take_2)):
         with torch.no_grad():
@@ -153,7 +154,7 @@ def decayed_moments(momentums, velocities, grads, keep, take):
         return
     for m, v, g in zip(momentums, velocities, grads):
         cast = lambda pair, dtype=m.dtype: tuple(ops.cast(x, dtype) for x in pair)
-        m_new, v_new = equations.decayed_moments(m, v, g, cast(keep), cast(take))
+        m_new, v_new = fold(m, v, g, cast(keep), cast(take))
         m.assign(m_new)
         v.assign(v_new)
 

@@ -96,12 +96,36 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         self._updates = slots[2] if buffered else None
         self._restore_deferred_state()
 
-    # -- the rule: one micro-batch, and the window's end ----------------------
+    # -- the rule: pure functions of values, which every driver runs ----------
+
+    @staticmethod
+    def changes(m, v, g, rate_1, rate_2):
+        """What one micro-step adds to Adam's moments, in Keras's form:
+        ((g - m)(1 - beta_1), (g**2 - v)(1 - beta_2)); `rate_i` = 1 - beta_i."""
+        return equations.adam_moment_changes(m, v, g, rate_1, rate_2)
+
+    @staticmethod
+    def step(m, v, alpha, epsilon):
+        """alpha_t m_t / (sqrt(v_t) + epsilon): the micro-step's Adam step,
+        added to A (or, with no buffer, subtracted from theta)."""
+        return equations.adam_step(m, v, alpha, epsilon)
+
+    def alpha_dtype(self, dtype):
+        """The dtype alpha_t is computed in for a variable of `dtype`: its
+        own without a buffer A (Keras Adam: in bfloat16 beta_2 = 0.999
+        rounds to 1 and alpha is 0, as there), float32 with one."""
+        return dtype if self._updates is None else "float32"
+
+    def alpha(self, count, dtype):
+        """alpha_t = lr sqrt(1 - beta_2**t) / (1 - beta_1**t) in `dtype`
+        (`count` = t >= 1)."""
+        return self._adam_alpha(self.learning_rate, count, dtype)
+
+    # -- how JAX and PyTorch write it (`keras_accum.drivers.portable`) ---------
 
     def _fold(self, grads, variables, weight, start, ok):
+        # (A skipped micro-step comes as zeros, and `ok` keeps it out.)
         grads = [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
-        if ok is not True and ok is not False:  # JAX: a skipped micro-step moves nothing
-            grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
         grads = self._clip_micro_batch(grads, 1)
         # t = micro-steps folded into the moments so far (a skip adds none)
         t = ops.convert_to_tensor(self._moment_steps) + kernels.flag(ok, _backend.INT)
@@ -114,15 +138,12 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
             return  # eager, a skipped micro-step: nothing moves
         # alpha_t, in the variable's dtype without a buffer (Keras Adam), else float32.
         count = ops.maximum(t, 1)
-        alphas = {}
+        alphas = {}  # alpha_t, once per dtype it is computed in
         for var in variables:
-            dtype = var.dtype if self._updates is None else "float32"
+            dtype = self.alpha_dtype(var.dtype)
             if dtype not in alphas:
-                alpha = equations.adam_alpha(
-                    self.learning_rate, count, self.beta_1, self.beta_2, dtype
-                )
-                alphas[dtype] = ops.cast(alpha, var.dtype)
-        alphas = [alphas[var.dtype if self._updates is None else "float32"] for var in variables]
+                alphas[dtype] = ops.cast(self.alpha(count, dtype), var.dtype)
+        alphas = [alphas[self.alpha_dtype(var.dtype)] for var in variables]
         if self._updates is not None:
             # A = step at the window's start, else A + step (a skip adds 0).
             updates = [self._updates[i] for i in indices]

@@ -137,6 +137,8 @@ def apply(optimizer, grads, variables, weight, overwrite):
             ok = True
         else:
             count_bad(optimizer, start, ok)
+            if ok is not True:  # a skipped micro-batch reaches the rule as zeros
+                grads = [masked(ok, g, ops.zeros_like(g)) for g in grads]
     optimizer._fold(grads, variables, weight, start, ok)
     micro_step = ops.convert_to_tensor(optimizer._micro_step) + 1
     optimizer._micro_step.assign(micro_step)

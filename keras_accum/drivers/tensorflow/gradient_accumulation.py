@@ -11,7 +11,7 @@ W_r NaN instead; at the end each replica hands S_r / W to the inner
 optimizer, whose all-reduce (SUM) makes it S / W.
 """
 
-from keras_accum import _execution, _replicas, _tensors, folds, nonfinite, weighing
+from keras_accum import _execution, _replicas, _tensors, equations, nonfinite
 from keras_accum._backend import tf
 
 
@@ -21,7 +21,7 @@ class GradientAccumulationForm:
     def _tf_fold(self, grads, variables, weight, start):
         # Replica context, replica-local state only: no communication.
         accumulators = self._accumulators_of(variables)
-        scale, share = self._weights(weight)
+        scale, share = self.weights(weight, _replicas.count())
         # A large Embedding's gradient stays sparse (`tf.IndexedSlices`): it
         # is added to S_r row by row, never made parameter-sized.
         grads = [_tensors.sparse_or_dense(g, v) for g, v in zip(grads, variables)]
@@ -50,33 +50,10 @@ class GradientAccumulationForm:
             # with w. A skipped micro-batch (ok False) adds nothing, and
             # leaves S_r = 0, W_r = 0 at the window's start.
             for a, wg in zip(accumulators, grads):
-                folds.add_to_window(a, wg if ok else None, start)
-            folds.add_to_window(self._weight, share if ok else None, start)
+                add_to_window(a, wg if ok else None, start)
+            add_to_window(self._weight, share if ok else None, start)
 
         _execution.by_condition(fold, start, None if xla else ok)
-
-    def _weights(self, weight):
-        """(scale of g, share of W_r) for this replica: w g is this
-        replica's summed-loss gradient (scale None for w = 1), and the
-        shares of the replicas sum to the micro-batch's weight."""
-        replicas = _replicas.count()
-        if isinstance(weight, weighing.ReplicaItems):
-            # g = (mean gradient over this replica's n items) / replicas, so
-            # its summed-loss gradient is n * replicas * g; W counts items.
-            # n = UNSET (no count recorded this step: the model was compiled
-            # again without weighing) counts the micro-batch as one; n = 0
-            # (every item weighs zero) adds nothing.
-            items = tf.cast(weight.items, "float32")
-            recorded = items >= 0.0
-            return (
-                tf.where(recorded, items * replicas, 1.0),
-                tf.where(recorded, items, 1.0 / replicas),
-            )
-        # g is this replica's share of the global mean over `weight` items,
-        # so weight * g is its summed-loss gradient. W_r gets an equal share.
-        scale = tf.cast(weight, "float32")
-        unit = isinstance(weight, float) and weight == 1.0
-        return None if unit else scale, scale / replicas
 
     def _tf_read_window(self, variables):
         """((W,), ok): W summed over replicas; whether the window may be
@@ -112,7 +89,7 @@ class GradientAccumulationForm:
         def reset():  # no NaN left behind (the next window overwrites them)
             if not _execution.in_xla():  # the drop branch of a `cond`: S_r may hold NaN
                 for a in accumulators + [self._weight]:
-                    folds.add_to_window(a, None, True)
+                    add_to_window(a, None, True)
             elif dropped is None:  # XLA, a `cond` (replicas): S_r stayed finite
                 self._weight.assign(0.0)
             else:  # XLA, every micro-step: W_r is NaN after a bad micro-batch
@@ -122,10 +99,6 @@ class GradientAccumulationForm:
 
     def _tf_update(self, variables, window, writes):
         (total_weight,) = window
-        # W = 0 only when every item of the window weighs zero: then S = 0
-        # too, and the big batch's mean gradient is 0 (Keras divides its
-        # loss with `divide_no_nan`), not 0 / 0.
-        total_weight = tf.where(tf.equal(total_weight, 0.0), 1.0, total_weight)
         accumulators = self._accumulators_of(variables)
         inner = self.inner_optimizer
         clips = inner.clipnorm or inner.global_clipnorm or inner.clipvalue
@@ -134,7 +107,7 @@ class GradientAccumulationForm:
             # it whole to replica 0 and zeros to the others, so that the inner
             # optimizer's per-replica clip then all-reduce (SUM) yields
             # exactly clip(S / W) on every replica.
-            means = [_replicas.read_total(a) / total_weight for a in accumulators]
+            means = self.means([_replicas.read_total(a) for a in accumulators], total_weight)
 
             def apply_inner(means):
                 first = _replicas.is_first_replica()
@@ -145,6 +118,29 @@ class GradientAccumulationForm:
             # Each replica hands S_r / W; the inner optimizer's all-reduce
             # (SUM) turns it into S / W: one communication per window.
             def apply_inner(total_weight):
-                inner.apply([a.value / total_weight for a in accumulators], variables)
+                inner.apply(self.means([a.value for a in accumulators], total_weight), variables)
 
             _replicas.for_each_replica(apply_inner, total_weight)
+
+
+def add_to_window(state, value, start):
+    """S = value at the window's start, else S + value, in place: the
+    rule's window sum, written as TensorFlow writes it cheapest.
+
+    `value`: a tensor, a `tf.IndexedSlices` (its rows are added where they
+    fall, no dense gradient) or None (a skipped micro-batch: nothing is
+    added, and S = 0 at the window's start whatever came before). `start`
+    a Python bool (in a branch) or a boolean tensor (under XLA)."""
+    if value is None or isinstance(value, tf.IndexedSlices):
+        if start is True:
+            state.assign(_tensors.zeros_like_state(state))
+        elif start is not False:  # S = 0 at the start, fused, in place
+            state.assign(tf.where(start, tf.zeros((), state.dtype), state))
+        if value is not None:
+            _replicas.scatter_add(state, value)
+    elif start is True:
+        state.assign(value)
+    elif start is False:
+        state.assign_add(value)
+    else:
+        state.assign(equations.window_sum(state, value, start))

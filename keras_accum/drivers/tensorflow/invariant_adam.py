@@ -3,17 +3,17 @@ gradient a micro-batch, one batched all-reduce per window.
 
 The rule (`keras_accum.invariant_adam`) says what a micro-batch and a
 window's end compute; this is how TensorFlow runs it under `tf.distribute`:
-each replica folds its own gradient into its own m_r and v_r (the replica
-factor undone before squaring), a large `Embedding`'s gradient row by row
-(`folds.fold_rows`), the dense ones in one compiled kernel per replica
-(`folds.fold_moments`); at the window's end the moments of every replica
-are summed in one all-reduce and the update runs on each variable's
-devices.
+each replica folds its own gradient into its own m_r and v_r with the
+rule's `fold_factors`, `fold` and `increments` (the replica factor undone
+before squaring), a large `Embedding`'s gradient row by row (`fold_rows`),
+the dense ones in one compiled kernel per replica (`fold_dense`); at the
+window's end the moments of every replica are summed in one all-reduce and
+the rule's `alpha` and `step` run on each variable's devices.
 """
 
 import functools
 
-from keras_accum import _compat, _execution, _replicas, _tensors, equations, folds
+from keras_accum import _compat, _execution, _replicas, _tensors, equations
 from keras_accum._backend import tf
 
 
@@ -28,7 +28,7 @@ class InvariantAdamForm:
             for i in (_compat.variable_index(self, v) for v in variables)
         ]
         # A large Embedding's gradient (`tf.IndexedSlices`) stays sparse: its
-        # rows go into m and v where they fall (`folds.fold_rows`), unless
+        # rows go into m and v where they fall (`fold_rows`), unless
         # the micro-batch is clipped or every window is one micro-batch
         # (Keras Adam's dense arithmetic there).
         sparse = not (self._single_step() or self._clips())
@@ -48,7 +48,7 @@ class InvariantAdamForm:
                 else:
                     kept = [_execution.where(ok, g, tf.zeros((), g.dtype)) for g in grads]
                     kept = self._clip_micro_batch(kept, replicas)
-                folds.keras_moments(kept, moments, rate_1, rate_2, replicas, self.assign_add)
+                keras_moments(kept, moments, rate_1, rate_2, replicas, self.assign_add)
 
             _execution.by_condition(fold_keras_form, ok)
             return
@@ -57,13 +57,15 @@ class InvariantAdamForm:
         rows = [(g, mv) for g, mv in zip(grads, moments) if isinstance(g, tf.IndexedSlices)]
         dense = [(g, mv) for g, mv in zip(grads, moments) if not isinstance(g, tf.IndexedSlices)]
         if rows:
-            fold_rows = lambda start: folds.fold_rows(*zip(*rows), scalars, start, ok)
-            _execution.by_condition(fold_rows, start)
+            rule = (self.fold_factors, self.increments)
+            fold = lambda start: fold_rows(rule, *zip(*rows), scalars, start, ok)
+            _execution.by_condition(fold, start)
         if dense:
             grads = [g for g, _ in dense]
             handles = [(m.handle, v.handle) for _, (m, v) in dense]
             jit = _execution.worth_compiling(grads)
-            _execution.run(folds.fold_moments, self, grads, *zip(*handles), scalars, ok, jit=jit)
+            rule = (self.fold_factors, self.fold)  # plain functions (static)
+            _execution.run(fold_dense, self, rule, grads, *zip(*handles), scalars, ok, jit=jit)
 
     def _fold_scalars(self, replicas, start):
         """(steps, replicas / steps, 1 - beta_1,k, 1 - beta_2,k, first) as
@@ -75,10 +77,7 @@ class InvariantAdamForm:
         return tuple(tf.cast(x, "float32") for x in values)
 
     def _tf_update(self, variables, window, writes):
-        learning_rate = self.learning_rate
-        update_count = _compat.update_counter(self) + 1
-        if self.scaling_rule is not None:
-            learning_rate, update_count = self._scaled_rate(_replicas.count())
+        learning_rate, correction = self.rate_and_correction(_replicas.count())
         moments = [
             (self._momentums[i], self._velocities[i])
             for i in (_compat.variable_index(self, v) for v in variables)
@@ -90,7 +89,7 @@ class InvariantAdamForm:
             totals = [(m.value, v.value) for m, v in moments]
         for var, (m, v), (m_total, v_total) in zip(variables, moments, totals):
             apply = functools.partial(self._apply_moments, writes=writes)
-            _replicas.update_each([var], apply, m_total, v_total, learning_rate, update_count)
+            _replicas.update_each([var], apply, m_total, v_total, learning_rate, correction)
             if replicated:
                 # Spread the totals back evenly over the replicas.
                 _replicas.assign_total(m, _replicas.local_value(m_total))
@@ -113,11 +112,78 @@ class InvariantAdamForm:
         totals = _replicas.sum_over_replicas(pairs)
         return list(zip(totals[::2], totals[1::2]))
 
-    def _apply_moments(self, variable, m, v, learning_rate, update_count, writes):
-        if self.scaling_rule is None:
-            alpha = self._adam_alpha(learning_rate, update_count, variable.dtype)
-        else:  # `update_count` is the bias correction, see `_scaled_rate`
-            alpha = tf.cast(learning_rate * update_count, variable.dtype)
+    def _apply_moments(self, variable, m, v, learning_rate, correction, writes):
+        alpha = self.alpha(learning_rate, correction, variable.dtype)
         self._decay(variable, tf.cast(learning_rate, variable.dtype))
         # theta = theta - alpha_k m / (sqrt(v) + epsilon)
-        writes.assign_sub(variable, equations.adam_step(m, v, alpha, self.epsilon))
+        writes.assign_sub(variable, self.step(m, v, alpha, self.epsilon))
+
+
+def fold_dense(rule, grads, m_handles, v_handles, scalars, ok=None):
+    """The rule's fold of one micro-batch's dense gradients, on resource
+    handles (one compiled kernel per replica: `_execution.run`).
+
+    `rule` = (fold_factors, fold), the rule's functions; `scalars` =
+    (steps, square_factor, rate_1, rate_2, first), float32 scalars. `ok`
+    (optional boolean scalar): False counts the micro-batch as a zero
+    gradient (a take of 0, and `multiply_no_nan` makes its NaN or Inf times
+    0 exactly 0).
+    """
+    fold_factors, fold = rule
+    steps, square_factor, rate_1, rate_2, first = scalars
+    # The factors once; the fold per variable in its dtype.
+    keep, take = fold_factors(first, steps, square_factor, rate_1, rate_2)
+    if ok is not None:
+        take = tuple(tf.where(ok, t, 0.0) for t in take)
+    for g, m_handle, v_handle in zip(grads, m_handles, v_handles):
+        dtype = g.dtype
+        m, v = _execution.read(m_handle, dtype), _execution.read(v_handle, dtype)
+        cast = lambda xs, dtype=dtype: tuple(tf.cast(x, dtype) for x in xs)
+        m, v = fold(m, v, g, cast(keep), cast(take), times=tf.math.multiply_no_nan)
+        _execution.write(m_handle, m)
+        _execution.write(v_handle, v)
+
+
+def fold_rows(rule, grads, moments, scalars, start, ok=None):
+    """`fold_dense` for sparse gradients (`tf.IndexedSlices`), row by row:
+    the fold is affine in (m, v), so the window's decay (m keep_1, where
+    `start` holds) is followed by the rule's `increments` of the rows,
+    added where they fall (repeated rows summed before squaring, as in the
+    dense gradient)."""
+    fold_factors, increments = rule
+    steps, square_factor, rate_1, rate_2, _ = scalars
+    first = (
+        _execution.where(start, 1.0, 0.0) if isinstance(start, bool) else tf.cast(start, "float32")
+    )
+    (keep_1, keep_2), take = fold_factors(first, steps, square_factor, rate_1, rate_2)
+    if ok is not None:
+        take = tuple(tf.where(ok, t, 0.0) for t in take)
+    for g, (m, v) in zip(grads, moments):
+        dtype = m.dtype
+        scalar = lambda x, dtype=dtype: tf.cast(x, dtype)
+        if start is not False:  # the window's decay
+            m.assign(m * scalar(keep_1))
+            v.assign(v * scalar(keep_2))
+        rows, values = _tensors.combine_rows(g)
+        if ok is not None:  # a skipped micro-batch's NaN rows: zeros
+            values = tf.where(ok, values, tf.zeros((), dtype))
+        shape = g.dense_shape
+        change_m, change_v = increments(values, tuple(scalar(t) for t in take))
+        _replicas.scatter_add(m, tf.IndexedSlices(change_m, rows, shape))
+        _replicas.scatter_add(v, tf.IndexedSlices(change_v, rows, shape))
+
+
+def keras_moments(grads, moments, rate_1, rate_2, replicas, assign_add):
+    """Every micro-batch a window: m = m + (g_j / kappa - m)(1 - beta_1) and
+    v likewise with g_j**2, in `keras.optimizers.Adam`'s own form and
+    rounding (so that one replica is Keras Adam bit for bit); written with
+    `assign_add(variable, delta)`."""
+    for g, (m, v) in zip(grads, moments):
+        # g_j**2 / kappa = g**2 * replicas (the replica factor undone)
+        square = None if replicas == 1 else tf.square(g) * float(replicas)
+        b1, b2 = (
+            x if isinstance(x, (int, float)) else tf.cast(x, m.dtype) for x in (rate_1, rate_2)
+        )
+        change_m, change_v = equations.adam_moment_changes(m, v, g, b1, b2, square)
+        assign_add(m, change_m)
+        assign_add(v, change_v)

@@ -6,11 +6,11 @@ The rule (`keras_accum.update_accumulation_adam`) says what a micro-batch
 and a window's end compute; this is how TensorFlow runs it under
 `tf.distribute`: the moments are shared (mirrored), so each micro-step's
 gradients are summed over the replicas first, and every replica then runs
-`folds.adam_micro_step` on its copy of m, v, A (and, with `steps=1`, the
-variable: Keras's Adam, op for op).
+`micro_step_kernel` (the rule's `changes` and `step`) on its copy of m,
+v, A (and, with `steps=1`, the variable: Keras's Adam, op for op).
 """
 
-from keras_accum import _compat, _execution, _replicas, _tensors, folds
+from keras_accum import _compat, _execution, _replicas, _tensors, equations
 from keras_accum._backend import tf
 
 
@@ -37,11 +37,8 @@ class UpdateAccumulationAdamForm:
         # dtype, as Keras Adam does (in bfloat16 beta_2 = 0.999 rounds to 1,
         # and Keras's alpha is 0); with a buffer, in float32.
         count = tf.maximum(t, 1)
-        dtypes = {v.dtype for v in variables} if self._updates is None else {"float32"}
-        alphas = {
-            tf.as_dtype(dtype).name: self._adam_alpha(self.learning_rate, count, dtype)
-            for dtype in dtypes
-        }
+        dtypes = {self.alpha_dtype(v.dtype) for v in variables}
+        alphas = {tf.as_dtype(dtype).name: self.alpha(count, dtype) for dtype in dtypes}
         scalars = (
             alphas,
             tf.constant(1 - self.beta_1, "float32"),
@@ -83,7 +80,7 @@ class UpdateAccumulationAdamForm:
         return grads, (tf.constant(True) if ok is None else ok)
 
     def _micro_step_of(self, grads, variables, scalars, start, keep, jit):
-        """`folds.adam_micro_step` for every variable (replica context)."""
+        """`micro_step_kernel` for every variable (replica context)."""
         handles = []
         for var in variables:
             index = _compat.variable_index(self, var)
@@ -100,7 +97,9 @@ class UpdateAccumulationAdamForm:
                     None if decay is None else tf.constant(decay, "float32"),
                 )
             )
-        _execution.run(folds.adam_micro_step, self, grads, handles, scalars, start, keep, jit=jit)
+        rule = (self.changes, self.step)  # plain functions (static)
+        run = _execution.run
+        run(micro_step_kernel, self, rule, grads, handles, scalars, start, keep, jit=jit)
 
     def _tf_update(self, variables, window, writes):
         if self._updates is None:  # steps == 1: applied in the micro-step
@@ -115,3 +114,57 @@ class UpdateAccumulationAdamForm:
                 writes.assign_sub(variable, update)
 
             _replicas.update_each([var], apply_update, update.value)
+
+
+def micro_step_kernel(rule, grads, handles, scalars, start, keep=True):
+    """The rule's micro-step for every variable, on resource handles (one
+    compiled kernel per replica: `_execution.run`): Adam's moments
+    (`changes`), then A = step (window start) or A + step; with no buffer A
+    (every window one micro-step) theta = theta - step, after the decoupled
+    weight decay, as `keras.optimizers.Adam` does.
+
+    `rule` = (changes, step), the rule's functions; `handles`: (m, v, A or
+    None, theta, decay) per variable, decay the weight decay factor (or
+    None); `scalars` = (alphas, rate_1, rate_2, epsilon, learning_rate): the
+    bias-corrected rate of this micro-step by dtype name (`alpha_dtype`),
+    1 - beta_1, 1 - beta_2, epsilon and the learning rate, float32. `keep`
+    False (a skipped micro-step): m, v and theta unchanged, A = 0 at the
+    window's start.
+    """
+    changes, step_of = rule
+    alphas, rate_1, rate_2, epsilon, learning_rate = scalars
+    for g, (m_handle, v_handle, a_handle, theta_handle, decay) in zip(grads, handles):
+        dtype = g.dtype
+        alpha = alphas.get(dtype.name, alphas.get("float32"))
+        cast = lambda x, dtype=dtype: tf.cast(x, dtype)
+        factor = None if isinstance(keep, bool) else cast(keep)
+        if keep is False:
+            if a_handle is not None and start is not False:
+                a = _execution.read(a_handle, dtype)
+                _execution.write(a_handle, _execution.where(start, _tensors.zeros_like_state(a), a))
+            continue
+        m, v = _execution.read(m_handle, dtype), _execution.read(v_handle, dtype)
+        # m += (g - m)(1 - beta_1); v += (g**2 - v)(1 - beta_2)
+        dm, dv = changes(m, v, g, cast(rate_1), cast(rate_2))
+        if factor is not None:  # a skipped micro-step moves nothing
+            dm, dv = dm * factor, dv * factor
+        m, v = m + dm, v + dv
+        _execution.write(m_handle, m)
+        _execution.write(v_handle, v)
+        step = step_of(m, v, cast(alpha), cast(epsilon))
+        if factor is not None:
+            step = step * factor
+        if a_handle is None:
+            theta = _execution.read(theta_handle, dtype)
+            if decay is not None:
+                # theta = theta - theta * weight_decay * lr
+                rate = cast(learning_rate) if factor is None else cast(learning_rate) * factor
+                theta = equations.decayed(theta, cast(decay), rate)
+            _execution.write(theta_handle, theta - step)
+            continue
+        # A = step at the window's start, else A + step. Written as
+        # (0 or A) + step: XLA then updates A in place (a select of two
+        # parameter-sized results took one more buffer, 4 bytes/parameter).
+        zero = tf.zeros((), dtype)
+        a = zero if start is True else _execution.read(a_handle, dtype)
+        _execution.write(a_handle, _execution.where(start, zero, a) + step)
