@@ -9,7 +9,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_accum import _backend, _gradients, _tensors
+from keras_accum import _backend, _gradients
 from keras_accum._backend import tf
 from keras_accum._noise_scale import GradientNoiseScale, squared_norm
 
@@ -141,7 +141,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             xi, yi, swi = _backend.map_structure(lambda t: t[i], (x, y, sw))
             grads = _gradients.tape_gradients(model, xi, yi, swi)
             grads = [
-                _tensors.zeros_like_state(w) if g is None else tf.convert_to_tensor(g)
+                _zeros_like(w) if g is None else tf.convert_to_tensor(g)
                 for g, w in zip(grads, weights)
             ]
             return (i + 1, small + squared_norm(grads), [a + g for a, g in zip(acc, grads)])
@@ -150,7 +150,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             lambda i, *_: i < kappa,
             body,
             # Not `tf.zeros_like`: a constant the traced probe would hold for good.
-            (tf.constant(0), tf.constant(0.0), [_tensors.zeros_like_state(w) for w in weights]),
+            (tf.constant(0), tf.constant(0.0), [_zeros_like(w) for w in weights]),
         )
         for v, s in zip(state, saved):
             v.assign(s)
@@ -210,3 +210,11 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         if self._arrays is None:
             for _ in range(self._seen // self.every_n_batches):
                 next(self._iterator)
+
+
+def _zeros_like(variable):
+    """Zeros shaped like `variable`, computed where used (x * 0 with
+    `multiply_no_nan`): not `tf.zeros_like`, whose constant a traced probe
+    would hold for good."""
+    value = tf.convert_to_tensor(variable)
+    return tf.math.multiply_no_nan(value, tf.zeros((), value.dtype))

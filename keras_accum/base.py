@@ -27,9 +27,11 @@ State, field by field (creation order is the checkpoint format):
 in the current window, for `"skip_window"`), then each subclass's slots.
 """
 
+import inspect
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,8 +40,8 @@ from keras import ops, optimizers
 
 from keras_accum import _backend, _compat, _replicas, drivers, nonfinite, schedules, weighing
 from keras_accum._saving import StateMixin
+from keras_accum.schedules import StepsSchedule
 from keras_accum.validation import check_choice
-from keras_accum.window import WindowMixin
 
 NONFINITE_POLICIES = tuple(nonfinite.POLICIES)
 
@@ -66,11 +68,97 @@ def _int(variable):
     return _backend.scalar_int(variable.value)
 
 
+class _Followers:
+    """The callbacks of one optimizer's `on_window_end`, in the order they
+    were registered, each held weakly (a plain holder: nothing Keras or
+    TensorFlow tracks or saves)."""
+
+    def __init__(self):
+        self.refs = []
+
+
+class WindowMixin:
+    """Where a window starts and ends, for an int `steps` or a schedule
+    (`keras_accum.PiecewiseSteps`, `AdaptiveSteps`, whose size is read when
+    the window starts and holds until it ends: the size and the end
+    micro-step are optimizer variables, so a checkpoint may fall inside a
+    window); and who follows the windows (`on_window_end`)."""
+
+    def _build_window(self):
+        """With a schedule: the current window's size and end micro-step,
+        fixed when the window starts (checkpointed), and its own state."""
+        if not isinstance(self.steps, StepsSchedule):
+            return
+        counter = dict(dtype=_backend.INT, aggregation="only_first_replica")
+        self._window_size = self.add_variable((), name="window_steps", **counter)
+        self._window_end = self.add_variable((), name="window_end", **counter)
+        self.steps.build(self)
+
+    @property
+    def window_steps(self):
+        """Micro-batches per replica of the current window (`steps`, or with
+        a schedule the value it gave when the window started, a variable)."""
+        if isinstance(self.steps, StepsSchedule):
+            return self._window_size
+        return self.steps
+
+    def _start_window(self):
+        """Cross-replica: True at a window's first micro-batch. A schedule is
+        read there, and its value holds until the window ends."""
+        step = ops.convert_to_tensor(self._micro_step)
+        if not isinstance(self.steps, StepsSchedule):
+            return step % self.steps == 0
+        end = ops.convert_to_tensor(self._window_end)
+        start = step >= end
+        size = ops.where(start, self.steps(step), ops.convert_to_tensor(self._window_size))
+        self._window_size.assign(size)
+        self._window_end.assign(ops.where(start, step + size, end))
+        return start
+
+    def on_window_end(self, callback):
+        """Runs `callback(keep)` in every `apply` call that ends a window,
+        after the update, in cross-replica context (a cross-replica
+        reduction there is the window's one communication), so traced into
+        the training step that calls `apply`: register before `apply` is
+        traced (e.g. in the forward pass of the same step).
+
+        `keep` is None when the callback runs only at a window's end (a
+        `tf.cond` branch, or every micro-batch ends a window); under XLA on
+        one replica the callback runs on every micro-step and `keep` is a
+        boolean tensor: its writes must hold only where `keep` does (a
+        select). A bound method is held weakly (it goes with its object);
+        registering the same callback again does nothing. Callbacks run in
+        the order they were registered.
+        """
+        if getattr(self, "_followers", None) is None:
+            self._followers = _Followers()
+        callbacks = self._followers.refs
+        if any(ref() == callback for ref in callbacks):
+            return
+        if inspect.ismethod(callback):
+            callbacks.append(weakref.WeakMethod(callback))
+        else:
+            callbacks.append(lambda: callback)
+
+    def _window_end_callbacks(self):
+        """The live callbacks of `on_window_end`, in order."""
+        followers = getattr(self, "_followers", None)
+        callbacks = (ref() for ref in (followers.refs if followers else []))
+        return [c for c in callbacks if c is not None]
+
+    def _window_done(self, micro_step):
+        """True when `micro_step` micro-batches complete the current window."""
+        if not isinstance(self.steps, StepsSchedule):
+            return micro_step % self.steps == 0
+        return ops.equal(micro_step, self._window_end)
+
+
 class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.Optimizer):
     """Base class: one micro-batch per `apply`, one update per window."""
 
-    # True when "skip_window" checks the window's state at its end instead
-    # of counting non-finite micro-batches in `window_bad`.
+    # True when a NaN or an Inf of any micro-batch propagates into the
+    # window's sums (`_window_sums`), so that "skip_window" may check them
+    # once, at the window's end, instead of every micro-batch.
     _checks_window_sums = False
     # True when the update is another optimizer's step (it counts updates,
     # and applies its EMA and constraints, itself).
@@ -274,10 +362,9 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
             return ops.equal(ops.convert_to_tensor(self._window_bad), 0)
         return True
 
-    def _drop(self, dropped):
-        """After a dropped window (where `dropped` holds): leave no
-        non-finite state behind. Nothing by default."""
-        return None
+    def _window_sums(self):
+        """The variables a NaN propagates into (`_checks_window_sums`)."""
+        return []
 
     def _update(self, variables, keep):
         """The window's update, each write kept where `keep` holds."""

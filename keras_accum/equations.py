@@ -1,36 +1,20 @@
-"""Each optimizer's arithmetic, written once in `keras.ops`.
+"""The equations the rules share, in `keras.ops`.
 
-Pure functions of tensors and scalars: no variable, no branch, no backend.
-Under TensorFlow `keras_accum.folds` runs them inside its compiled kernels
-(on resource handles, per replica); under JAX and PyTorch
-`keras_accum.drivers.portable` runs them on the optimizer's variables. One window
-of kappa micro-batches g_1 .. g_kappa (ALGORITHMS.md):
+Pure functions of tensors and scalars: no variable, no backend. Each
+optimizer's own module says which it uses and how (its rule's pure
+functions: `InvariantAdam.fold`, `UpdateAccumulationAdam.changes`,
+`GradientAccumulation.means`, ...); the drivers run those
+(`keras_accum.drivers`). ALGORITHMS.md has the maths.
 
-* `GradientAccumulation`: `window_sum` (S and W) per micro-batch; at the
-  window's end the inner optimizer's step on S / W.
-* `InvariantAdam`: `decayed_moments` per micro-batch (`adam_moments` when
-  every window is one micro-batch); at the end `adam_step`, after
-  `decayed`.
-* `UpdateAccumulationAdam`: `adam_moments` and `adam_step` into A per
-  micro-batch; at the end theta - A, after `decayed`.
-
-`one_minus_beta` is InvariantAdam's 1 - beta_k of one window.
 `adam_alpha` is `keras.optimizers.Adam`'s bias-corrected rate, in its own
-form, so that `steps=1` equals Keras's Adam bit for bit on every backend.
+form, and `adam_moment_changes` its moments' form, so that `steps=1`
+equals Keras's Adam bit for bit on every backend. `one_minus_beta` is
+InvariantAdam's 1 - beta_k of one window.
 """
 
 import math
-import operator
 
 from keras import ops
-
-
-def window_sum(total, value, start):
-    """S = value at the window's start, else S + value (`start` a boolean
-    scalar, or a Python bool where the step runs eagerly)."""
-    if isinstance(start, bool):
-        return value if start else total + value
-    return ops.where(start, value, total + value)
 
 
 def adam_moment_changes(m, v, g, rate_1, rate_2, square=None):
@@ -40,27 +24,6 @@ def adam_moment_changes(m, v, g, rate_1, rate_2, square=None):
     replica's micro-batch rebuilt from its share of the mean)."""
     square = ops.square(g) if square is None else square
     return (g - m) * rate_1, (square - v) * rate_2
-
-
-def adam_moments(m, v, g, rate_1, rate_2):
-    """Adam's moments after one gradient: m and v plus
-    `adam_moment_changes`."""
-    change_m, change_v = adam_moment_changes(m, v, g, rate_1, rate_2)
-    return m + change_m, v + change_v
-
-
-def decayed_moments(m, v, g, keep, take, times=operator.mul):
-    """InvariantAdam's fold of one micro-batch: m keep_1 + g take_1 and
-    v keep_2 + g**2 take_2.
-
-    keep_i = 1 - first (1 - beta_i,k) (first = 1 at the window's first
-    micro-batch: the decay, applied once per window), take_1 =
-    (1 - beta_1,k) / steps and take_2 = (1 - beta_2,k) / steps times the
-    replica factor (the window's mean of g and of g**2). `times(x, factor)`
-    multiplies a gradient term (TensorFlow passes `multiply_no_nan`, so that
-    a skipped micro-batch's NaN times 0 is 0)."""
-    (keep_1, keep_2), (take_1, take_2) = keep, take
-    return m * keep_1 + times(g, take_1), v * keep_2 + times(ops.square(g), take_2)
 
 
 def adam_step(m, v, alpha, epsilon):

@@ -5,7 +5,7 @@ from typing import Any
 
 from keras import ops, optimizers, saving
 
-from keras_accum import _compat, base, drivers, equations, kernels, schedules, weighing
+from keras_accum import _compat, base, drivers, kernels, schedules, weighing
 
 
 @saving.register_keras_serializable(package="keras_accum")
@@ -36,7 +36,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
       configured, the window sum is reduced first so that the clip sees the
       global mean (one more reduction, still once per window).
     * Sparse gradients (`tf.IndexedSlices`, from `Embedding`) of a
-      variable with 65,536 elements or more (`keras_accum._tensors.SPARSE_MIN_ELEMENTS`)
+      variable with 65,536 elements or more (`SPARSE_MIN_ELEMENTS` of the TensorFlow driver)
       stay sparse: each micro-batch's rows are added to S where they fall
       (the sum is dense; the window's mean handed to `optimizer` is dense).
       Smaller ones are made dense first.
@@ -64,7 +64,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         name: optimizer name.
     """
 
-    _checks_window_sums = True  # "skip_window": the window's sums are checked at its end
+    _checks_window_sums = True  # "skip_window": the window's sums may be checked at its end
     _steps_inner = True  # the inner optimizer counts, averages and constrains
     takes_weights = True
 
@@ -220,54 +220,27 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
     # -- how JAX and PyTorch write it (`keras_accum.drivers.portable`) ---------
 
     def _fold(self, grads, variables, weight, start, ok):
-        accumulators = self._accumulators_of(variables)
+        # (A skipped micro-batch comes as zeros; under "skip_window" the
+        # driver may let a NaN through, to check the sums at the window's end.)
         grads = [ops.cast(g, "float32") for g in grads]
         scale, share = self.weights(weight)
-        if self.nonfinite == "skip_window" and kernels.EAGER:
-            pass  # NaN and Inf propagate into S: checked once, at the window's end
-        elif self.nonfinite == "skip_window":
-            # Traced (JAX): a bad micro-batch adds zeros to S (kept finite)
-            # and NaN to W, which the window's end reads as "drop" (a
-            # scalar, not a read of S on every micro-step).
-            ok = kernels.finite(grads)
-            share = kernels.masked(ok, share, ops.convert_to_tensor(float("nan"), "float32"))
-            grads = [ops.where(ok, g, ops.zeros_like(g)) for g in grads]
-        if ok is False:
-            # Eager: a skipped micro-batch adds nothing (and no weight); the
-            # window's start still resets S and W.
-            if start is True:
-                for a in accumulators:
-                    a.assign(ops.zeros_like(a))
-            # "skip_window": W = NaN (`share`), and the window is dropped at its end.
-            added = share if self.nonfinite == "skip_window" else ops.zeros_like(share)
-            self._weight.assign(equations.window_sum(self._weight, added, start))
-            return
-        if ok is not True and self.nonfinite != "skip_window":  # JAX: no weight
-            share = share * ops.cast(ok, "float32")  # (the driver zeroed the gradient)
         if scale is not None:
             grads = [scale * g for g in grads]
-        # S = w g at the window's start, else S + w g; W likewise with w.
-        kernels.window_sums(accumulators, grads, start)
-        self._weight.assign(equations.window_sum(self._weight, share, start))
+        # S = w g at the window's start, else S + w g; W likewise with w
+        # (none for a skipped micro-batch).
+        kernels.window_sums(self._accumulators_of(variables), grads, start)
+        share = kernels.masked(ok, share, 0.0)
+        self._weight.assign(kernels.window_sum(self._weight, share, start))
 
     def _window_ok(self, boundary):
-        if self.nonfinite == "skip_window" and kernels.EAGER:
-            # Eager, at the window's end only: its sums hold a NaN or an Inf
-            # when any of its micro-batches did.
-            return kernels.finite([ops.convert_to_tensor(a) for a in self._accumulators])
-        if self.nonfinite == "skip_window":
-            return ops.isfinite(ops.convert_to_tensor(self._weight))
         if self.nonfinite == "skip_micro_batch":
             return self._weight > 0.0  # every micro-batch skipped: nothing to apply
-        return True
+        return super()._window_ok(boundary)
 
-    def _drop(self, dropped):
-        # A bad micro-batch made W NaN (traced) or S (eager): 0 again, so
-        # no NaN is left behind.
-        self._weight.assign(kernels.masked(dropped, 0.0, self._weight))
-        if dropped is True:
-            for a in self._accumulators:
-                a.assign(ops.zeros_like(a))
+    def _window_sums(self):
+        # A NaN or an Inf of any micro-batch propagates into S: one check of
+        # S per window can replace a check of every micro-batch.
+        return self._accumulators
 
     def _update(self, variables, keep):
         sums = [ops.convert_to_tensor(a) for a in self._accumulators_of(variables)]

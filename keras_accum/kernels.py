@@ -75,7 +75,7 @@ def finite(grads):
 
     Eagerly (PyTorch) a NaN or an Inf propagates into a sum: one reduction
     per gradient, no boolean tensor; the elementwise test runs only if a
-    float32 sum overflowed (as `nonfinite.all_finite` on TensorFlow)."""
+    float32 sum overflowed (as the TensorFlow driver's `all_finite`)."""
     if EAGER:
         sums = ops.stack([ops.sum(ops.cast(g, "float32")) for g in grads])
         if bool(ops.all(ops.isfinite(sums))):
@@ -113,9 +113,12 @@ def _values(variables):
     return [v.value for v in variables]
 
 
-def adam_moments(momentums, velocities, grads, rate_1, rate_2, keep=True):
+def adam_moments(
+    momentums, velocities, grads, rate_1, rate_2, keep=True, changes=equations.adam_moment_changes
+):
     """m = m + (g - m)(1 - beta_1), v = v + (g**2 - v)(1 - beta_2) for each
-    variable (`rate_i` = 1 - beta_i), written where `keep` holds.
+    variable (`rate_i` = 1 - beta_i; `changes` gives the two terms added),
+    written where `keep` holds.
 
     In place under PyTorch as Keras's PyTorch Adam writes it: m = m beta_1 +
     g (1 - beta_1) (equal to rounding)."""
@@ -130,12 +133,12 @@ def adam_moments(momentums, velocities, grads, rate_1, rate_2, keep=True):
     if keep is False:
         return
     for m, v, g in zip(momentums, velocities, grads):
-        m_new, v_new = equations.adam_moments(m, v, g, rate_1, rate_2)
-        m.assign(masked(keep, m_new, m))
-        v.assign(masked(keep, v_new, v))
+        change_m, change_v = changes(m, v, g, rate_1, rate_2)
+        m.assign(masked(keep, m + change_m, m))
+        v.assign(masked(keep, v + change_v, v))
 
 
-def decayed_moments(momentums, velocities, grads, keep, take, fold=equations.decayed_moments):
+def decayed_moments(momentums, velocities, grads, keep, take, fold):
     """InvariantAdam's fold: (m, v) = fold(m, v, g, keep, take), i.e. m keep_1
     + g take_1 and v keep_2 + g**2 take_2, for each variable. `keep` and
     `take` are pairs of scalars; under PyTorch the same sums are written in
@@ -185,11 +188,19 @@ def adam_steps(momentums, velocities, alphas, epsilon):
     ]
 
 
-def add_adam_steps(updates, momentums, velocities, alphas, epsilon, start):
+def add_adam_steps(updates, momentums, velocities, alphas, epsilon, start, keep=True):
     """A = step at the window's start, else A + step, for each variable:
-    `window_sums` of `adam_steps`. Under PyTorch one fused
-    `torch._foreach_addcdiv_` adds alpha m / (sqrt(v) + epsilon) into A in
-    place, with no temporary for the step itself."""
+    `window_sums` of `adam_steps`, the step 0 where `keep` does not hold.
+    Under PyTorch one fused `torch._foreach_addcdiv_` adds alpha m /
+    (sqrt(v) + epsilon) into A in place, with no temporary for the step
+    itself."""
+    if keep is False:  # eager, a skipped micro-step: A = 0 at the window's start
+        window_sums(updates, [ops.zeros_like(ops.convert_to_tensor(a)) for a in updates], start)
+        return
+    if keep is not True:  # traced: where(keep, step, 0)
+        steps = adam_steps(momentums, velocities, alphas, epsilon)
+        window_sums(updates, [ops.where(keep, x, ops.zeros_like(x)) for x in steps], start)
+        return
     if _in_place() and isinstance(start, bool):
         with torch.no_grad():
             scaled, denominators = _step_terms(momentums, velocities, alphas, epsilon)
@@ -201,9 +212,17 @@ def add_adam_steps(updates, momentums, velocities, alphas, epsilon, start):
     window_sums(updates, adam_steps(momentums, velocities, alphas, epsilon), start)
 
 
+def window_sum(total, value, start):
+    """S = value at the window's start, else S + value (`start` a boolean
+    scalar, or a Python bool where the step runs eagerly)."""
+    if isinstance(start, bool):
+        return value if start else total + value
+    return ops.where(start, value, total + value)
+
+
 def window_sums(totals, values, start):
     """S = value at the window's start, else S + value, for each pair
-    (`equations.window_sum`)."""
+    (`window_sum`)."""
     if _in_place() and isinstance(start, bool):
         with torch.no_grad():
             targets = _values(totals)
@@ -213,7 +232,7 @@ def window_sums(totals, values, start):
                 torch._foreach_add_(targets, values)
         return
     for total, value in zip(totals, values):
-        total.assign(equations.window_sum(total, value, start))
+        total.assign(window_sum(total, value, start))
 
 
 def subtract(variables, deltas, keep=True, decays=None):

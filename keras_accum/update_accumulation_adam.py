@@ -133,9 +133,8 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         indices = [_compat.variable_index(self, var) for var in variables]
         momentums = [self._momentums[i] for i in indices]
         velocities = [self._velocities[i] for i in indices]
-        kernels.adam_moments(momentums, velocities, grads, 1 - self.beta_1, 1 - self.beta_2, ok)
-        if ok is False and self._updates is None:
-            return  # eager, a skipped micro-step: nothing moves
+        rates = (1 - self.beta_1, 1 - self.beta_2)
+        kernels.adam_moments(momentums, velocities, grads, *rates, ok, self.changes)
         # alpha_t, in the variable's dtype without a buffer (Keras Adam), else float32.
         count = ops.maximum(t, 1)
         alphas = {}  # alpha_t, once per dtype it is computed in
@@ -147,24 +146,12 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         if self._updates is not None:
             # A = step at the window's start, else A + step (a skip adds 0).
             updates = [self._updates[i] for i in indices]
-            if ok is True:
-                kernels.add_adam_steps(updates, momentums, velocities, alphas, self.epsilon, start)
-                return
-            if ok is False:
-                steps = [ops.zeros_like(g) for g in grads]
-            else:
-                steps = kernels.adam_steps(momentums, velocities, alphas, self.epsilon)
-                steps = [ops.where(ok, x, ops.zeros_like(x)) for x in steps]
-            kernels.window_sums(updates, steps, start)
+            kernels.add_adam_steps(updates, momentums, velocities, alphas, self.epsilon, start, ok)
             return
-        # steps == 1: Keras's Adam, decay and step at once.
-        learning_rate = self.learning_rate
-        for var in variables:
-            decay = self._decay_of(var, learning_rate)
-            if decay is not None:
-                var.assign(kernels.masked(ok, equations.decayed(var, *decay), var))
+        # steps == 1: Keras's Adam, decay and step at once (a skip moves nothing).
+        decays = [self._decay_of(var, self.learning_rate) for var in variables]
         steps = kernels.adam_steps(momentums, velocities, alphas, self.epsilon)
-        kernels.subtract(variables, steps, ok)
+        kernels.subtract(variables, steps, ok, decays)
 
     def _update(self, variables, keep):
         if self._updates is None:  # steps == 1: applied in the micro-step

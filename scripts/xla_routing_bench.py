@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_accum as ka
-from keras_accum import _execution
+from keras_accum.drivers.tensorflow import _execution
 
 ROUTED = _execution.at_window_end
 

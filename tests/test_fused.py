@@ -11,7 +11,7 @@ import tensorflow as tf
 from conftest import mirrored_strategy
 
 import keras_accum as ka
-from keras_accum import _execution
+from keras_accum.drivers.tensorflow import _execution
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(32, 3)).astype("float32")

@@ -9,7 +9,7 @@ import references
 import tensorflow as tf
 
 import keras_accum as ka
-from keras_accum import nonfinite
+from keras_accum.drivers.tensorflow import _execution
 
 
 def drive(optimizer, variables, micro_grads, weights=None):
@@ -329,11 +329,11 @@ class TestNonFinite:
 
 
 @pytest.mark.parametrize("form", ["eager", "graph", "xla"])
-@pytest.mark.parametrize("size", [4, nonfinite.SMALL])  # XLA: elementwise, by sums
+@pytest.mark.parametrize("size", [4, _execution.SMALL])  # XLA: elementwise, by sums
 def test_all_finite_is_exact_also_when_a_sum_overflows(form, size):
-    check = nonfinite.all_finite
+    check = _execution.all_finite
     if form != "eager":
-        check = tf.function(nonfinite.all_finite, jit_compile=form == "xla", autograph=False)
+        check = tf.function(_execution.all_finite, jit_compile=form == "xla", autograph=False)
     big = tf.fill([size], 3.0e38)  # finite elements whose float32 sum is inf
     assert bool(check([big, tf.ones([2])]))
     for bad in (np.nan, np.inf, -np.inf):

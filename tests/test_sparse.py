@@ -11,11 +11,12 @@ import tensorflow as tf
 from conftest import mirrored_strategy
 
 import keras_accum as ka
+from keras_accum.drivers.tensorflow import _execution
 
 # A variable at keras_accum's threshold for keeping its gradient sparse
 # (smaller ones are made dense, as before).
 WIDTH, STEPS = 3, 3
-ROWS = -(-ka._tensors.SPARSE_MIN_ELEMENTS // WIDTH)
+ROWS = -(-_execution.SPARSE_MIN_ELEMENTS // WIDTH)
 RNG = np.random.default_rng(7)
 # Per micro-batch: 4 rows touched, one of them twice.
 INDICES = [np.array([0, 2, 2, ROWS - 1]), np.array([1, 1, 4, 0]), np.array([3, 5, 5, 5])] * 2
@@ -253,7 +254,7 @@ def test_invariant_adam_sparse_equals_dense(jit_compile, case):
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_invariant_adam_folds_rows_without_a_dense_gradient(jit_compile, monkeypatch):
     made_dense = []
-    dense = ka._tensors.dense
+    dense = _execution.dense
 
     def recording(grad):
         made_dense.append(isinstance(grad, tf.IndexedSlices))
@@ -302,7 +303,7 @@ def test_invariant_adam_two_replicas_sparse_equals_dense():
 
 
 def test_combine_rows_sums_repeated_rows():
-    got_rows, got_values = ka._tensors.combine_rows(slices(2))  # rows 3, 5, 5, 5
+    got_rows, got_values = _execution.combine_rows(slices(2))  # rows 3, 5, 5, 5
     expected = dense_of(2)
     dense = np.zeros((ROWS, WIDTH), "float32")
     np.add.at(dense, got_rows.numpy(), got_values.numpy())

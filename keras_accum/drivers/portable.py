@@ -4,7 +4,7 @@ Python branch.
 TensorFlow's driver (`keras_accum.drivers.tensorflow`) enters cross-replica
 context and decides the window's end with a `cond`. Here there is one
 device's worth of state (JAX's `DataParallel` hands the optimizer the
-global gradient) and each optimizer's rule (`_fold`, `_window_ok`, `_drop`,
+global gradient) and each optimizer's rule (`_fold`, `_window_ok`,
 `_update` of its class) runs as it is written, with the writes of
 `keras_accum.kernels`:
 
@@ -123,10 +123,7 @@ def apply(optimizer, grads, variables, weight, overwrite):
     else:
         start = step % optimizer.steps == 0
     ok = True
-    screens = optimizer.nonfinite in ("skip_micro_batch", "raise") or (
-        optimizer.nonfinite == "skip_window" and not optimizer._checks_window_sums
-    )
-    if screens:
+    if optimizer.nonfinite is not None and not checks_sums_at_end(optimizer):
         ok = decided(kernels.finite(grads))
         if optimizer.nonfinite == "raise":
             if not bool(ok):  # eager (PyTorch): one line, as `nonfinite.explained` gives
@@ -174,19 +171,30 @@ def host_micro_step(optimizer):
     return int(value)
 
 
+def checks_sums_at_end(optimizer):
+    """True when "skip_window" lets a NaN into the rule's window sums and
+    checks them once, at the window's end (eagerly, where the window's end
+    runs only at the end; traced, every micro-batch is screened, which fuses
+    into the fold)."""
+    return kernels.EAGER and optimizer.nonfinite == "skip_window" and optimizer._checks_window_sums
+
+
 def count_bad(optimizer, start, ok):
-    """A skipped micro-batch counted (`ok` False), and in the window's
-    `window_bad`; eagerly (Python bools) nothing is written for a good
-    micro-batch inside a window."""
+    """A skipped micro-batch counted (`ok` False; under "skip_window" only
+    where the rule's sums would show it), and in the window's `window_bad`;
+    eagerly (Python bools) nothing is written for a good micro-batch inside
+    a window."""
+    skips = optimizer.nonfinite == "skip_micro_batch" or not optimizer._checks_window_sums
     if isinstance(ok, bool) and isinstance(start, bool):
-        if not ok:
+        if not ok and skips:
             optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + 1)
         if start or not ok:
             before = 0 if start else ops.convert_to_tensor(optimizer._window_bad)
             optimizer._window_bad.assign(before + (0 if ok else 1))
         return
     bad = 1 - flag(ok, _backend.INT)
-    optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + bad)
+    if skips:
+        optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + bad)
     window_bad = masked(start, ops.zeros((), _backend.INT), optimizer._window_bad)
     optimizer._window_bad.assign(window_bad + bad)
 
@@ -198,14 +206,21 @@ def end_window(optimizer, variables, boundary):
     else None."""
     if boundary is False:
         return None  # eager, inside a window: nothing of the window's end runs
-    window_ok = decided(optimizer._window_ok(boundary))
+    if checks_sums_at_end(optimizer):  # eager: a NaN of the window is in its sums
+        window_ok = decided(
+            kernels.finite([ops.convert_to_tensor(s) for s in optimizer._window_sums()])
+        )
+    else:
+        window_ok = decided(optimizer._window_ok(boundary))
     keep = both(boundary, window_ok)
     if window_ok is not True:
         dropped = both(boundary, window_ok is False or ops.logical_not(window_ok))
         if dropped is not False:
             counter = optimizer._skipped_updates
             counter.assign(counter + flag(dropped, _backend.INT))
-            optimizer._drop(dropped)
+        if dropped is True:  # eager: no NaN left in the sums
+            for total in optimizer._window_sums():
+                total.assign(ops.zeros_like(total))
     if keep is False:
         return None
     result = optimizer._update(variables, keep)

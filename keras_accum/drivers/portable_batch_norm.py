@@ -1,6 +1,6 @@
 """`keras_accum.layers.BatchNormalization` on JAX and PyTorch: the layer
 counts its windows itself, as the optimizer bounds them
-(`keras_accum.window`), and moves its moving statistics in the forward
+(`keras_accum.base.WindowMixin`), and moves its moving statistics in the forward
 pass that ends a window, each write a select (no branch).
 
 The layer (`keras_accum.layers`) says what the window's statistics and the
@@ -69,7 +69,7 @@ class BatchNormalizationForm:
     def _fold_and_count(self, inputs, mask, mean, variance, steps):
         """JAX and PyTorch, in the training call: this micro-batch into the
         sums, the call counted, and where it ends the window (as the
-        optimizer bounds it, `keras_accum.window`) the moving statistics
+        optimizer bounds it, `keras_accum.base.WindowMixin`) the moving statistics
         moved and the sums restarted, each write a select (no branch)."""
         channels = self.window_sum.shape[0]
         items = math.prod(inputs.shape) // channels

@@ -30,9 +30,10 @@ cross-replica verb is in `keras_accum._replicas`.
 import keras
 from keras import ops
 
-from keras_accum import _compat, _execution, _replicas, _tensors, nonfinite
+from keras_accum import _compat, _replicas
 from keras_accum._backend import tf
 from keras_accum.drivers import portable
+from keras_accum.drivers.tensorflow import _execution
 from keras_accum.drivers.tensorflow.batch_norm import BatchNormalizationForm
 from keras_accum.drivers.tensorflow.gradient_accumulation import GradientAccumulationForm
 from keras_accum.drivers.tensorflow.invariant_adam import InvariantAdamForm
@@ -61,7 +62,7 @@ class Driver:
         if self.loss_scale_factor is not None:
             # g = g / loss_scale_factor, before anything else sees it.
             unscale = lambda x: x / self.loss_scale_factor
-            grads = [_tensors.map_values(unscale, g) for g in grads]
+            grads = [_execution.map_values(unscale, g) for g in grads]
         merge = self._merge_apply if self._has_tf_form() else self._merge_rule
         with keras.name_scope(self.name, caller=self):
             _replicas.merge(merge, grads, [v for _, v in pairs], weight, overwrite)
@@ -93,7 +94,7 @@ class Driver:
                 "step; use 'skip_micro_batch', 'skip_window' or None. "
                 "Received: nonfinite='raise'"
             )
-        grads = [_tensors.dense(_replicas.local_value(g)) for g in grads]
+        grads = [_execution.dense(_replicas.local_value(g)) for g in grads]
         overwrite = [(_replicas.local_value(g), v) for g, v in overwrite]
         portable.apply(self, grads, trainable_variables, weight, overwrite)
         boundary = self._window_done(ops.convert_to_tensor(self._micro_step))
@@ -144,7 +145,7 @@ class Driver:
         for grad, variable in pairs:
 
             def overwrite(var, grad):
-                grad = tf.cast(_tensors.dense(grad), var.dtype)
+                grad = tf.cast(_execution.dense(grad), var.dtype)
                 var.assign(grad if self.steps == 1 else tf.where(boundary, grad, var))
 
             _replicas.update_each([variable], overwrite, grad)
@@ -230,8 +231,8 @@ class Driver:
             average.assign(momentum * average + (1 - momentum) * var)
 
     def _screen(self, grads, mask=True):
-        """`nonfinite.screen` of this optimizer (replica context)."""
-        return nonfinite.screen(self, grads, mask)
+        """`_execution.screen` of this optimizer (replica context)."""
+        return _execution.screen(self, grads, mask)
 
     # -- what each optimizer's form fills in ----------------------------------
 

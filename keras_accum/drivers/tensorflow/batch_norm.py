@@ -22,7 +22,7 @@ class BatchNormalizationForm:
         return _replicas.sync_on_read()
 
     def _build_counters(self):
-        return None  # the optimizer counts the windows (`keras_accum.window`)
+        return None  # the optimizer counts the windows (`keras_accum.base.WindowMixin`)
 
     def load_own_variables(self, store):
         # A file saved on JAX or PyTorch holds three window counters more

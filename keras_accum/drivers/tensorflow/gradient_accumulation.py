@@ -11,8 +11,9 @@ W_r NaN instead; at the end each replica hands S_r / W to the inner
 optimizer, whose all-reduce (SUM) makes it S / W.
 """
 
-from keras_accum import _execution, _replicas, _tensors, equations, nonfinite
+from keras_accum import _replicas
 from keras_accum._backend import tf
+from keras_accum.drivers.tensorflow import _execution
 
 
 class GradientAccumulationForm:
@@ -24,8 +25,8 @@ class GradientAccumulationForm:
         scale, share = self.weights(weight, _replicas.count())
         # A large Embedding's gradient stays sparse (`tf.IndexedSlices`): it
         # is added to S_r row by row, never made parameter-sized.
-        grads = [_tensors.sparse_or_dense(g, v) for g, v in zip(grads, variables)]
-        grads = [_tensors.map_values(lambda x: tf.cast(x, "float32"), g) for g in grads]
+        grads = [_execution.sparse_or_dense(g, v) for g, v in zip(grads, variables)]
+        grads = [_execution.map_values(lambda x: tf.cast(x, "float32"), g) for g in grads]
         xla = _execution.in_xla()
         if self.nonfinite == "skip_window":
             ok = None  # graph mode: the window's sums are checked at its end
@@ -33,9 +34,9 @@ class GradientAccumulationForm:
                 # Under XLA the check fuses into the fold; a bad micro-batch
                 # adds zeros to S_r (kept finite) and NaN to W_r, which the
                 # window's end then reads as "drop" (a scalar, no read of S_r).
-                finite = nonfinite.all_finite(grads)
+                finite = _execution.all_finite(grads)
                 keep = lambda x: tf.where(finite, x, tf.zeros((), x.dtype))
-                grads = [_tensors.map_values(keep, g) for g in grads]
+                grads = [_execution.map_values(keep, g) for g in grads]
                 share = tf.where(finite, share, tf.constant(float("nan"), "float32"))
         else:
             grads, ok = self._screen(grads, mask=xla)
@@ -43,7 +44,7 @@ class GradientAccumulationForm:
                 # A skipped micro-batch (zeroed by `_screen`) adds no weight.
                 share = share * tf.cast(ok, "float32")
         if scale is not None:
-            grads = [_tensors.map_values(lambda x: scale * x, g) for g in grads]
+            grads = [_execution.map_values(lambda x: scale * x, g) for g in grads]
 
         def fold(start, ok):
             # S_r = w g at the window's start, else S_r + w g; W_r likewise
@@ -75,7 +76,7 @@ class GradientAccumulationForm:
         accumulators = self._accumulators_of(variables)
 
         def local():  # (W_r, 1.0 where S_r holds a NaN or an Inf)
-            finite = nonfinite.all_finite([a.value for a in accumulators])
+            finite = _execution.all_finite([a.value for a in accumulators])
             return tf.stack([self._weight.value, 1.0 - tf.cast(finite, "float32")])
 
         totals = _replicas.sum_scalars(_replicas.for_each_replica(local))
@@ -133,7 +134,7 @@ def add_to_window(state, value, start):
     a Python bool (in a branch) or a boolean tensor (under XLA)."""
     if value is None or isinstance(value, tf.IndexedSlices):
         if start is True:
-            state.assign(_tensors.zeros_like_state(state))
+            state.assign(_execution.zeros_like_state(state))
         elif start is not False:  # S = 0 at the start, fused, in place
             state.assign(tf.where(start, tf.zeros((), state.dtype), state))
         if value is not None:
@@ -143,4 +144,4 @@ def add_to_window(state, value, start):
     elif start is False:
         state.assign_add(value)
     else:
-        state.assign(equations.window_sum(state, value, start))
+        state.assign(tf.where(start, value, state + value))

@@ -13,8 +13,9 @@ the rule's `alpha` and `step` run on each variable's devices.
 
 import functools
 
-from keras_accum import _compat, _execution, _replicas, _tensors, equations
+from keras_accum import _compat, _replicas, equations
 from keras_accum._backend import tf
+from keras_accum.drivers.tensorflow import _execution
 
 
 class InvariantAdamForm:
@@ -32,9 +33,9 @@ class InvariantAdamForm:
         # the micro-batch is clipped or every window is one micro-batch
         # (Keras Adam's dense arithmetic there).
         sparse = not (self._single_step() or self._clips())
-        keep = lambda g, v: _tensors.sparse_or_dense(g, v) if sparse else _tensors.dense(g)
+        keep = lambda g, v: _execution.sparse_or_dense(g, v) if sparse else _execution.dense(g)
         grads = [keep(g, v) for g, v in zip(grads, variables)]
-        cast = lambda g, dtype: _tensors.map_values(lambda x: tf.cast(x, dtype), g)
+        cast = lambda g, dtype: _execution.map_values(lambda x: tf.cast(x, dtype), g)
         grads = [cast(g, m.dtype) for g, (m, _) in zip(grads, moments)]
         # A skipped micro-batch (ok False) counts as a zero gradient: the
         # window's decay of m and v still happens.
@@ -164,7 +165,7 @@ def fold_rows(rule, grads, moments, scalars, start, ok=None):
         if start is not False:  # the window's decay
             m.assign(m * scalar(keep_1))
             v.assign(v * scalar(keep_2))
-        rows, values = _tensors.combine_rows(g)
+        rows, values = _execution.combine_rows(g)
         if ok is not None:  # a skipped micro-batch's NaN rows: zeros
             values = tf.where(ok, values, tf.zeros((), dtype))
         shape = g.dense_shape

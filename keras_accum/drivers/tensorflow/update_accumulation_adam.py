@@ -10,8 +10,9 @@ gradients are summed over the replicas first, and every replica then runs
 v, A (and, with `steps=1`, the variable: Keras's Adam, op for op).
 """
 
-from keras_accum import _compat, _execution, _replicas, _tensors, equations
+from keras_accum import _compat, _replicas, equations
 from keras_accum._backend import tf
+from keras_accum.drivers.tensorflow import _execution
 
 
 class UpdateAccumulationAdamForm:
@@ -63,7 +64,7 @@ class UpdateAccumulationAdamForm:
     def _reduce(self, grads, variables):
         """SUM over replicas. A tensor that every replica handed in (not a
         per-replica value) sums to replicas x itself."""
-        grads = [_tensors.dense(g) for g in grads]
+        grads = [_execution.dense(g) for g in grads]
         replicas = _replicas.count()
         split = [_replicas.is_per_replica(g) for g in grads]
         summed = iter(
@@ -141,7 +142,9 @@ def micro_step_kernel(rule, grads, handles, scalars, start, keep=True):
         if keep is False:
             if a_handle is not None and start is not False:
                 a = _execution.read(a_handle, dtype)
-                _execution.write(a_handle, _execution.where(start, _tensors.zeros_like_state(a), a))
+                _execution.write(
+                    a_handle, _execution.where(start, _execution.zeros_like_state(a), a)
+                )
             continue
         m, v = _execution.read(m_handle, dtype), _execution.read(v_handle, dtype)
         # m += (g - m)(1 - beta_1); v += (g**2 - v)(1 - beta_2)

@@ -1,4 +1,5 @@
-"""How the optimizers' arithmetic runs: the one place that decides.
+"""How the TensorFlow driver runs a rule: the one place that decides, and
+the gradients it hands over (dense or sparse rows, the finite check).
 
 The maths of each optimizer is written once (`keras_accum.folds`, and each
 optimizer's window update) in terms of two conditions, `start` (the
@@ -28,7 +29,7 @@ import weakref
 
 import keras
 
-from keras_accum import _compat, _replicas
+from keras_accum import _compat, _replicas, nonfinite
 from keras_accum._backend import tf
 
 
@@ -232,3 +233,159 @@ def keep_where(keep, trainable_variables, state, owner, update, wrapped=()):
     if any(o.use_ema and o.ema_overwrite_frequency for o in [owner, *wrapped]):
         again = trainable_variables
     kept.restore(reselect=again)
+
+
+# -- gradients: dense or sparse (`tf.IndexedSlices`), zeros, the finite check --
+
+# A sparse gradient of a variable with fewer elements than this is made
+# dense: the sparse fold's few extra ops (a scatter; in InvariantAdam a sort
+# and a segment sum) cost more there than the pass over the variable they
+# save (see BENCHMARKS.md, "Sparse gradients").
+SPARSE_MIN_ELEMENTS = 65536
+
+
+def dense(grad):
+    """Gradients as dense tensors (an Embedding gives `tf.IndexedSlices`)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(grad)
+    return grad
+
+
+def values_of(grad):
+    """The tensor holding a gradient's numbers: `grad` itself, or the rows
+    of a `tf.IndexedSlices`."""
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def map_values(fn, grad):
+    """`grad` with `fn` applied to its numbers (`values_of`), kept sparse."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
+def sparse_or_dense(grad, variable):
+    """`grad` as it is when it is a `tf.IndexedSlices` of a variable with
+    `SPARSE_MIN_ELEMENTS` or more elements (kept sparse), else dense."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    count = tf.TensorShape(variable.shape).num_elements()
+    if count is not None and count >= SPARSE_MIN_ELEMENTS:
+        return grad
+    return dense(grad)
+
+
+def combine_rows(slices):
+    """(rows, values) of a `tf.IndexedSlices` with its repeated rows summed:
+    row k of `values` is the sum of every slice of `rows[k]`, as in the
+    dense gradient. Static shapes (the slices' count), for XLA: the rows
+    beyond the distinct ones come back as row 0 with zero values."""
+    count = tf.shape(slices.indices)[0]
+    order = tf.argsort(slices.indices)
+    rows = tf.gather(slices.indices, order)
+    starts = tf.concat([[True], tf.not_equal(rows[1:], rows[:-1])], 0)
+    segments = tf.cumsum(tf.cast(starts, "int32")) - 1
+    values = tf.math.unsorted_segment_sum(tf.gather(slices.values, order), segments, count)
+    rows = tf.math.unsorted_segment_max(rows, segments, count)
+    distinct = tf.range(count) <= tf.reduce_max(segments)
+    return tf.where(distinct, rows, tf.zeros((), rows.dtype)), values
+
+
+def zeros_like_state(value):
+    """Zeros shaped like `value` (a variable or a tensor, NaN and Inf
+    included), as `value * 0` with `multiply_no_nan`. Graph mode folds a
+    `tf.zeros_like` of a known shape into a constant that lives as long as
+    the compiled step, used or not (one more parameter-sized buffer held for
+    good by a branch that zeroes the state); this is computed only where it
+    runs."""
+    value = tf.convert_to_tensor(value)
+    return tf.math.multiply_no_nan(value, tf.zeros((), value.dtype))
+
+
+# Gradients under this many elements are checked elementwise under XLA
+# (see `all_finite`).
+SMALL = 65536
+
+
+def all_finite(grads):
+    """True when no gradient holds a NaN or an Inf (exact).
+
+    NaN and Inf propagate into a sum: one `reduce_sum` read per gradient,
+    no boolean tensor; the elementwise test runs in a `cond` only if a
+    float32 sum overflows. Under XLA that `cond` carries its operands and
+    costs the most with many small ones, where the elementwise test fused
+    into one pass is cheap: gradients under `SMALL` elements are tested
+    elementwise there, the rest by their sums (BENCHMARKS.md, "Non-finite
+    check")."""
+    grads = [values_of(g) for g in grads]
+    if not grads:
+        return tf.constant(True)
+    small, large = [], list(grads)
+    if in_xla():
+        small = [g for g in grads if _elements(g) < SMALL]
+        large = [g for g in grads if _elements(g) >= SMALL]
+    checks = [_elementwise_finite(small)] if small else []
+    if large:
+        sums = tf.stack([tf.reduce_sum(tf.cast(g, "float32")) for g in large])
+        checks.append(
+            tf.cond(
+                tf.reduce_all(tf.math.is_finite(sums)),
+                lambda: tf.constant(True),
+                lambda: _elementwise_finite(large),
+            )
+        )
+    return checks[0] if len(checks) == 1 else checks[0] & checks[1]
+
+
+def _elementwise_finite(tensors):
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+
+
+def _elements(tensor):
+    count = tf.TensorShape(tensor.shape).num_elements()
+    return SMALL if count is None else count
+
+
+def refuse_raise_under_xla(name):
+    """ValueError: XLA drops `check_numerics`, so "raise" cannot raise."""
+    raise ValueError(
+        f"{name}: `nonfinite='raise'` cannot raise in XLA-compiled code, where "
+        "TensorFlow drops the check; use 'skip_micro_batch', 'skip_window' or "
+        "None, or compile without XLA. Received: nonfinite='raise' with "
+        "jit_compile=True"
+    )
+
+
+def screen(optimizer, grads, mask=True):
+    """Applies `optimizer.nonfinite` to one replica's gradients (replica
+    context, no communication).
+
+    Returns `(grads, ok)`: under a `skip_*` policy `ok` is a boolean scalar
+    (the skip counted on `optimizer`) and, with `mask`, a non-finite
+    micro-batch comes back as zeros (an arithmetic mask, no branch over
+    parameter-sized state); else `ok` is None.
+    """
+    policy = optimizer.nonfinite
+    if policy is None:
+        return grads, None
+    if policy == "raise":
+        if in_xla():
+            refuse_raise_under_xla(optimizer.name)
+        # One check of the micro-batch, naming the optimizer and the
+        # micro-step; what follows waits for it (nothing folds a NaN in).
+        message = f"{optimizer.name}: {nonfinite.MESSAGE} at micro-step"
+        check = tf.debugging.Assert(
+            all_finite(grads), [message, optimizer._micro_step + 1], summarize=1
+        )
+        with tf.control_dependencies([check]):
+            return [map_values(tf.identity, g) for g in grads], None
+    ok = all_finite(grads)
+    bad = 1 - tf.cast(ok, "int64")
+    optimizer._skipped_micro_batches.assign_add(bad)
+    if policy == "skip_window":
+        optimizer._window_bad.assign_add(bad)
+    if not mask:
+        return grads, ok
+    # g, or a broadcast scalar zero for a skipped micro-batch.
+    keep = lambda x: tf.where(ok, x, tf.zeros((), x.dtype))
+    return [map_values(keep, g) for g in grads], ok
