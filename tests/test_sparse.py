@@ -180,7 +180,7 @@ def test_fit_on_a_transformer_matches_dense_gradients(name, jit_compile, monkeyp
     # Through `fit` on a small transformer (token and position Embeddings),
     # every sparse gradient kept sparse (threshold lowered), against the
     # same optimizer handed the dense gradients.
-    monkeypatch.setattr(ka._tensors, "SPARSE_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(_execution, "SPARSE_MIN_ELEMENTS", 1)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 8, (24, 8)).astype("int32")  # tokens repeat
     y = (x[:, 0] > 3).astype("int32")
@@ -260,7 +260,7 @@ def test_invariant_adam_folds_rows_without_a_dense_gradient(jit_compile, monkeyp
         made_dense.append(isinstance(grad, tf.IndexedSlices))
         return dense(grad)
 
-    monkeypatch.setattr(ka._tensors, "dense", recording)
+    monkeypatch.setattr(_execution, "dense", recording)
     ops = trace_ops(ka.InvariantAdam(0.1, steps=STEPS), jit_compile)
     assert "ResourceScatterAdd" in ops
     assert not any(made_dense)
@@ -315,7 +315,7 @@ def test_combine_rows_sums_repeated_rows():
 @pytest.mark.parametrize("name", ["GradientAccumulation", "InvariantAdam"])
 def test_small_variable_gradient_is_made_dense(name, monkeypatch):
     # Below the threshold the dense fold is cheaper: the old path, exactly.
-    monkeypatch.setattr(ka._tensors, "SPARSE_MIN_ELEMENTS", ROWS * WIDTH + 1)
+    monkeypatch.setattr(_execution, "SPARSE_MIN_ELEMENTS", ROWS * WIDTH + 1)
     opt = (
         ka.GradientAccumulation(keras.optimizers.SGD(1.0), steps=STEPS)
         if name == "GradientAccumulation"
