@@ -5,7 +5,7 @@ lives as long as the compiled function, whether the branch that uses it
 runs or not: the branches that zero the window state (a dropped window, a
 skipped first micro-batch) held one parameter-sized buffer for good, and so
 did the noise-scale probe's loop (its running sum started from
-`tf.zeros_like`). They now write `_tensors.zeros_like_state` (x * 0, NaN and Inf
+`tf.zeros_like`). They now write `_execution.zeros_like_state` (x * 0, NaN and Inf
 included). This reads TensorFlow's own allocator in a fresh process
 (tests/_held_memory.py), with a control that zeroes with `tf.zeros_like` and
 must show the buffer.

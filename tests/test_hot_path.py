@@ -1,5 +1,5 @@
-"""Each fold is written once (`keras_accum/folds.py`) and run two ways
-(`keras_accum/_execution.py`): in graph mode in `tf.cond` branches, under
+"""Each fold is written once (its rule's functions) and run two ways
+(`keras_accum/drivers/tensorflow/_execution.py`): in graph mode in `tf.cond` branches, under
 XLA as arithmetic selects (`tf.where`). The two must agree.
 
 The numpy-reference tests run the graph form; here the XLA form is checked

@@ -194,6 +194,47 @@ def test_the_rules_ask_no_backend_question(module):
     assert backend_questions((PACKAGE / module).read_text()) == []
 
 
+# -- nor a flag-type question: a rule takes numbers or tensors alike ------------
+# (whether `start` or `ok` is a Python bool or a tensor is the driver's to
+# know: `kernels.decided`, `masked`, `flag` and the drivers ask it.)
+
+FLAG_ATTRIBUTES = {"EAGER", "is_concrete", "decided"}
+
+
+def flag_questions(source):
+    """['line: what'] for each question of a module about a flag's type:
+    `isinstance(x, bool)`, `x is True` / `is not False`, `kernels.EAGER`,
+    `is_concrete`, `decided`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+            kinds = node.args[1] if len(node.args) == 2 else None
+            kinds = kinds.elts if isinstance(kinds, ast.Tuple) else [kinds]
+            if any(isinstance(k, ast.Name) and k.id == "bool" for k in kinds):
+                found.append(f"{node.lineno}: isinstance(..., bool)")
+        elif isinstance(node, ast.Compare):
+            for op, right in zip(node.ops, node.comparators):
+                if isinstance(op, ast.Is | ast.IsNot) and isinstance(right, ast.Constant):
+                    if isinstance(right.value, bool):
+                        found.append(f"{node.lineno}: is {right.value}")
+        elif isinstance(node, ast.Attribute) and node.attr in FLAG_ATTRIBUTES:
+            found.append(f"{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_the_scan_sees_a_flag_question():
+    assert flag_questions("if isinstance(start, bool):\n    pass\n") == ["1: isinstance(..., bool)"]
+    assert flag_questions("x = isinstance(s, (int, bool))\n") == ["1: isinstance(..., bool)"]
+    assert flag_questions("if ok is not False:\n    pass\n") == ["1: is False"]
+    assert flag_questions("if kernels.EAGER:\n    pass\n") == ["1: .EAGER"]
+    assert flag_questions("if ok is None or isinstance(n, int):\n    pass\n") == []
+
+
+@pytest.mark.parametrize("module", RULES)
+def test_the_rules_ask_no_flag_type_question(module):
+    assert flag_questions((PACKAGE / module).read_text()) == []
+
+
 # -- private Keras and TensorFlow names: in keras_accum/_compat.py only ----------
 
 COMPAT = PACKAGE / "_compat.py"

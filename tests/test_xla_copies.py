@@ -2,7 +2,7 @@
 
 A `tf.cond` at the window's end that writes the variables makes XLA copy
 them on every micro-step that does not end a window; under XLA the window
-end is a select instead (`keras_accum._execution.keep_where`). This reads the
+end is a select instead (`keras_accum.drivers.tensorflow._execution.keep_where`). This reads the
 optimised HLO of one XLA-compiled step of a small MLP and counts the
 elements that `copy` instructions move, as the benchmark does
 (`keras_accum.experiments.probes.count_copies`).

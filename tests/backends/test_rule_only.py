@@ -1,10 +1,13 @@
 """A fourth optimizer is one module: a rule written in `keras.ops` alone
-(`_fold`, `_update`), with no TensorFlow form, runs on every backend.
+(`_fold`, `_update`), with no TensorFlow form, runs on every backend and
+under MirroredStrategy.
 
 JAX and PyTorch run every rule this way (`keras_accum.drivers.portable`);
-TensorFlow runs a rule with no form of its own as JAX does, masks and all,
-on one replica (`Driver._merge_rule`), and refuses more in one line.
-Checked against a numpy reference and against the identity
+TensorFlow's driver runs the rule's `_fold` on each replica's
+replica-local slots and its `_update` at the window's end, in
+cross-replica context, where a slot reads as its total over the replicas
+(`Driver._tf_fold`, `_tf_update`). Checked against a numpy reference (on
+2 logical CPUs too) and against the identity
 WindowMeanSGD(lr, steps) == GradientAccumulation(SGD(lr), steps)."""
 
 import keras
@@ -100,18 +103,45 @@ def test_fit_equals_gradient_accumulation_around_sgd(jit_compile):
 
 
 @pytest.mark.skipif(not TENSORFLOW, reason="tf.distribute is TensorFlow's")
-def test_more_replicas_than_a_rule_alone_serves_are_refused():
+@pytest.mark.parametrize("nonfinite", [None, "skip_micro_batch"])
+def test_the_rule_alone_runs_under_mirrored_strategy(nonfinite):
+    # Each replica hands in its share of the micro-batch's mean gradient
+    # (Keras's convention): the window's mean is the mean over micro-batches
+    # of the sum of the replicas' shares. A NaN on one replica of the third
+    # micro-batch leaves that replica's share out, under "skip_micro_batch".
     import conftest
+    import tensorflow as tf
 
     strategy = conftest.mirrored_strategy()
     with strategy.scope():
         variables = [keras.Variable(x) for x in INITS]
-        optimizer = WindowMeanSGD(learning_rate=0.1, steps=2)
+        optimizer = WindowMeanSGD(learning_rate=0.1, steps=3, nonfinite=nonfinite)
 
+    @tf.function(autograph=False)
     def step(grads):
-        optimizer.apply(grads, variables)
+        strategy.run(lambda *g: optimizer.apply(list(g), variables), args=tuple(grads))
 
-    grads = [ops.convert_to_tensor(g) for g in GRADS[0]]
-    with pytest.raises(ValueError, match=r"WindowMeanSGD has no TensorFlow form.*Received: 2"):
-        strategy.run(step, args=(grads,))
-    assert all(np.array_equal(ops.convert_to_numpy(v), x) for v, x in zip(variables, INITS))
+    shares = [[[g * (r + 1) / 3 for g in grads] for r in range(2)] for grads in GRADS]
+    if nonfinite:
+        shares[2][1] = [np.full_like(g, np.nan) for g in shares[2][1]]
+    expected = [x.astype("float64") for x in INITS]
+    for j, call in enumerate(shares):
+        per_replica = [
+            strategy.experimental_distribute_values_from_function(
+                lambda ctx, i=i, call=call: tf.constant(call[ctx.replica_id_in_sync_group][i])
+            )
+            for i in range(len(INITS))
+        ]
+        step(per_replica)
+        if (j + 1) % 3 == 0:  # theta -= lr * mean over the window of the summed shares
+            for i in range(len(expected)):
+                window = [
+                    sum(shares[k][r][i] for r in range(2) if np.all(np.isfinite(shares[k][r][i])))
+                    for k in range(j - 2, j + 1)
+                ]
+                expected[i] = expected[i] - 0.1 * np.mean(window, axis=0)
+    for variable, want in zip(variables, expected):
+        np.testing.assert_allclose(ops.convert_to_numpy(variable), want, rtol=1e-5, atol=1e-6)
+    count = lambda counter: int(ops.convert_to_numpy(counter))
+    assert count(optimizer.iterations) == 2 and count(optimizer.micro_step) == 7
+    assert count(optimizer.skipped_micro_batches) == (1 if nonfinite else 0)

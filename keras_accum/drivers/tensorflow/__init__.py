@@ -28,11 +28,9 @@ cross-replica verb is in `keras_accum._replicas`.
 """
 
 import keras
-from keras import ops
 
 from keras_accum import _compat, _replicas
 from keras_accum._backend import tf
-from keras_accum.drivers import portable
 from keras_accum.drivers.tensorflow import _execution
 from keras_accum.drivers.tensorflow.batch_norm import BatchNormalizationForm
 from keras_accum.drivers.tensorflow.gradient_accumulation import GradientAccumulationForm
@@ -63,43 +61,8 @@ class Driver:
             # g = g / loss_scale_factor, before anything else sees it.
             unscale = lambda x: x / self.loss_scale_factor
             grads = [_execution.map_values(unscale, g) for g in grads]
-        merge = self._merge_apply if self._has_tf_form() else self._merge_rule
         with keras.name_scope(self.name, caller=self):
-            _replicas.merge(merge, grads, [v for _, v in pairs], weight, overwrite)
-
-    def _has_tf_form(self):
-        """True when the optimizer's class has a TensorFlow form (its own
-        `_tf_fold` or `_tf_accumulate`); else its rule runs as written."""
-        cls = type(self)
-        return (
-            cls._tf_fold is not Driver._tf_fold or cls._tf_accumulate is not Driver._tf_accumulate
-        )
-
-    def _merge_rule(self, grads, trainable_variables, weight, overwrite):
-        """An optimizer with no TensorFlow form: its rule (`_fold`,
-        `_update`, ...) as JAX runs it, masks and all (the window's update
-        computed on every micro-step and kept at its end), on one replica,
-        in cross-replica context; the `on_window_end` callbacks after it."""
-        replicas = _replicas.count()
-        name = type(self).__name__
-        if replicas > 1:
-            raise ValueError(
-                f"{name} has no TensorFlow form (keras_accum/drivers/tensorflow), so "
-                "it runs on one replica only: its rule folds one device's gradient. "
-                f"Received: {replicas} replicas in sync"
-            )
-        if self.nonfinite == "raise":
-            raise ValueError(
-                f"{name} has no TensorFlow form: its rule cannot raise from a traced "
-                "step; use 'skip_micro_batch', 'skip_window' or None. "
-                "Received: nonfinite='raise'"
-            )
-        grads = [_execution.dense(_replicas.local_value(g)) for g in grads]
-        overwrite = [(_replicas.local_value(g), v) for g, v in overwrite]
-        portable.apply(self, grads, trainable_variables, weight, overwrite)
-        boundary = self._window_done(ops.convert_to_tensor(self._micro_step))
-        for callback in self._window_end_callbacks():
-            callback(boundary)
+            _replicas.merge(self._merge_apply, grads, [v for _, v in pairs], weight, overwrite)
 
     def _check_strategy(self):
         """The strategy in scope must be the one this optimizer (and one it
@@ -168,9 +131,6 @@ class Driver:
             self._tf_drop_window(trainable_variables)
 
         counts_bad = self.nonfinite == "skip_window" and not self._checks_window_sums
-        if counts_bad:
-            clean = tf.equal(_replicas.read_total(self._window_bad), 0)
-            window_ok = clean if window_ok is None else window_ok & clean
         if boundary is not None:
             keep = boundary if window_ok is None else boundary & window_ok
             state = list(trainable_variables) + list(self.variables)
@@ -234,7 +194,7 @@ class Driver:
         """`_execution.screen` of this optimizer (replica context)."""
         return _execution.screen(self, grads, mask)
 
-    # -- what each optimizer's form fills in ----------------------------------
+    # -- what a form may fill in; by default the rule runs as written ---------
 
     def _tf_accumulate(self, grads, variables, weight, start):
         """Cross-replica: folds one micro-batch in. By default each replica
@@ -242,19 +202,28 @@ class Driver:
         _replicas.for_each_replica(self._tf_fold, grads, variables, weight, start)
 
     def _tf_fold(self, grads, variables, weight, start):
-        raise NotImplementedError
+        """Replica context: the rule's own `_fold` of this replica's share
+        of the mean gradient into its replica-local slots (no
+        communication; a read of a slot at the window's end, in
+        cross-replica context, is the total over replicas). A non-finite
+        micro-batch comes as zeros, with `ok` False."""
+        grads, ok = self._screen([_execution.dense(g) for g in grads])
+        self._fold(grads, variables, weight, start, True if ok is None else ok)
 
     def _tf_read_window(self, variables):
         """(window, ok) at the boundary (cross-replica): totals read once,
         handed to `_tf_update`, and a boolean tensor saying whether the
-        window may be applied (None: always)."""
-        return None, None
+        window may be applied (None: always). By default the rule's
+        `_window_ok` (under "skip_window" no bad micro-batch counted)."""
+        ok = self._window_ok(True)
+        return None, (None if ok is True else ok)
 
     def _tf_update(self, variables, window, writes):
         """The window's update: `writes.assign*` (this optimizer's own
         methods, or their kept form under a select) for what the update
-        reads back; direct writes are kept too."""
-        raise NotImplementedError
+        reads back; direct writes are kept too. By default the rule's own
+        `_update`, in cross-replica context."""
+        self._update(variables, True)
 
     def _tf_drop_window(self, variables, dropped=None):
         """After a dropped update (where `dropped` holds, under XLA): leave
