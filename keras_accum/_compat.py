@@ -187,18 +187,6 @@ def ema_averages(optimizer):
     return optimizer._model_variables_moving_average
 
 
-def update_ema(optimizer, variables):
-    """Keras's EMA step of the weights (momentum `ema_momentum`). Checked
-    on Keras 3.10-3.15."""
-    optimizer._update_model_variables_moving_average(variables)
-
-
-def overwrite_with_ema(optimizer, variables):
-    """Keras's periodic overwrite of the weights with their averages
-    (`ema_overwrite_frequency`). Checked on Keras 3.10-3.15."""
-    optimizer._overwrite_model_variables_with_average_value(variables)
-
-
 # -- the custom loop ------------------------------------------------------------
 
 

@@ -254,3 +254,28 @@ def subtract(variables, deltas, keep=True, decays=None):
         if decay is not None:
             theta = equations.decayed(theta, *decay)
         variable.assign(masked(keep, theta - ops.cast(delta, variable.dtype), variable))
+
+
+def update_ema(optimizer, keep=True, replicas=1):
+    """After an update (where `keep` holds), Keras's EMA step of the
+    weights: average = rho average + (1 - rho) theta (the first update
+    copies theta), rho the rule's momentum of one window
+    (`_ema_momentum_of_window(replicas)`) or Keras's `ema_momentum`; then,
+    every `ema_overwrite_frequency` updates, theta = average. Every driver
+    writes the EMA with this (TensorFlow in cross-replica context)."""
+    trained = _compat.trainable_variables(optimizer)
+    averages = _compat.ema_averages(optimizer)
+    rho = optimizer._ema_momentum_of_window(replicas)
+    rho = optimizer.ema_momentum if rho is None else rho
+    not_first = ops.not_equal(ops.convert_to_tensor(optimizer.iterations), 0)
+    for var, average in zip(trained, averages):
+        if average is not None:
+            factor = rho if isinstance(rho, float) else ops.cast(rho, var.dtype)
+            momentum = ops.cast(not_first, var.dtype) * factor  # Keras's form
+            average.assign(masked(keep, momentum * average + (1 - momentum) * var, average))
+    frequency = optimizer.ema_overwrite_frequency
+    if frequency:
+        due = both(keep, ops.equal((optimizer.iterations + 1) % frequency, 0))
+        for var, average in zip(trained, averages):
+            if average is not None:
+                var.assign(masked(due, average, var))

@@ -227,38 +227,12 @@ def end_window(optimizer, variables, boundary):
     if optimizer._steps_inner:
         return result  # the inner optimizer counts, averages and constrains
     if optimizer.use_ema:
-        update_ema(optimizer, keep)
+        kernels.update_ema(optimizer, keep)
     for variable in variables:
         if variable.constraint is not None:
             variable.assign(masked(keep, variable.constraint(variable), variable))
     counter = _compat.update_counter(optimizer)
     counter.assign(counter + flag(keep, counter.dtype))
-
-
-def update_ema(optimizer, keep):
-    """Keras's EMA step of the weights after an update (momentum
-    `optimizer._ema_momentum_of_window()`), and its periodic overwrite."""
-    trained = _compat.trainable_variables(optimizer)
-    momentum_of_window = optimizer._ema_momentum_of_window()
-    if momentum_of_window is None:
-        momentum_of_window = optimizer.ema_momentum
-    first = ops.equal(ops.convert_to_tensor(optimizer.iterations), 0)
-    for var, average in zip(trained, _compat.ema_averages(optimizer)):
-        if average is None:
-            continue
-        # The first update copies the weights (momentum 0), as in Keras.
-        momentum = ops.cast(ops.logical_not(first), var.dtype) * ops.cast(
-            momentum_of_window, var.dtype
-        )
-        new = momentum * average + (1 - momentum) * var
-        average.assign(masked(keep, new, average))
-    frequency = optimizer.ema_overwrite_frequency
-    if frequency:
-        due = ops.equal((optimizer.iterations + 1) % frequency, 0)
-        due = due if keep is True else ops.logical_and(keep, due)
-        for var, average in zip(trained, _compat.ema_averages(optimizer)):
-            if average is not None:
-                var.assign(masked(due, average, var))
 
 
 def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variables, weight=None):

@@ -29,7 +29,7 @@ cross-replica verb is in `keras_accum._replicas`.
 
 import keras
 
-from keras_accum import _compat, _replicas
+from keras_accum import _compat, _replicas, kernels
 from keras_accum._backend import tf
 from keras_accum.drivers.tensorflow import _execution
 from keras_accum.drivers.tensorflow.batch_norm import BatchNormalizationForm
@@ -158,14 +158,7 @@ class Driver:
         if self._steps_inner:
             return
         if self.use_ema:
-            trained = _compat.trainable_variables(self)
-            self._update_ema(trained)
-            if self.ema_overwrite_frequency:
-                tf.cond(
-                    tf.equal((_compat.update_counter(self) + 1) % self.ema_overwrite_frequency, 0),
-                    lambda: _compat.overwrite_with_ema(self, trained),
-                    lambda: None,
-                )
+            kernels.update_ema(self, True, _replicas.count())
         for variable in variables:
             if variable.constraint is not None:
 
@@ -173,22 +166,6 @@ class Driver:
                     var.assign(constraint(var))
 
                 _replicas.update_each([variable], constrain)
-
-    def _update_ema(self, variables):
-        """The EMA step of the weights after an update: Keras's, or with the
-        rule's own momentum per window (`_ema_momentum_of_window`)."""
-        rho = self._ema_momentum_of_window(_replicas.count())
-        if rho is None:
-            _compat.update_ema(self, variables)
-            return
-        for var, average in zip(variables, _compat.ema_averages(self)):
-            if average is None:
-                continue
-            # The first update copies the weights (momentum 0), as in Keras.
-            not_first = tf.cast(tf.not_equal(self.iterations, 0), var.dtype)
-            momentum = not_first * tf.cast(rho, var.dtype)
-            # average = rho_k * average + (1 - rho_k) * theta
-            average.assign(momentum * average + (1 - momentum) * var)
 
     def _screen(self, grads, mask=True):
         """`_execution.screen` of this optimizer (replica context)."""
