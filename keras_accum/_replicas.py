@@ -114,6 +114,25 @@ def sync_on_read():
     return tf.variable_creator_scope(_sync_on_read)
 
 
+def replica_scalar(initial, name):
+    """A float32 `tf.Variable` of one value per replica (sync-on-read,
+    SUM), tracked and saved by no one: `weigh_micro_batches`'s item count."""
+    return tf.Variable(
+        initial,
+        trainable=False,
+        dtype="float32",
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.SUM,
+        name=name,
+    )
+
+
+def read_local(variable):
+    """Replica context: this replica's value of a replica-local variable
+    (a copy: the variable may be written next)."""
+    return tf.identity(variable.read_value())
+
+
 def add_local_variable(optimizer, shape, dtype, name, reference=None):
     """A replica-local variable of `optimizer`: each replica holds its own
     part, a read in cross-replica context (or a checkpoint) sees the sum,

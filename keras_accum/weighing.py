@@ -25,8 +25,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_accum import _backend, _compat
-from keras_accum._backend import tf
+from keras_accum import _backend, _compat, _replicas
 from keras_accum.validation import check_float
 
 
@@ -228,14 +227,7 @@ class FitItems:
         if not _backend.IS_TENSORFLOW:  # PyTorch: one device, eager
             self.variable = keras.Variable(UNSET, trainable=False, name="fit_items")
             return
-        self.variable = tf.Variable(
-            UNSET,
-            trainable=False,
-            dtype="float32",
-            synchronization=tf.VariableSynchronization.ON_READ,
-            aggregation=tf.VariableAggregation.SUM,
-            name="fit_items",
-        )
+        self.variable = _replicas.replica_scalar(UNSET, "fit_items")
 
     def record(self, items):
         """Replica context: this replica's micro-batch weighs `items`.
@@ -266,7 +258,7 @@ class FitItems:
             items = ops.copy(ops.convert_to_tensor(self.variable))  # not a view: reset below
             self.variable.assign(UNSET)
             return ReplicaItems(items)
-        items = tf.identity(self.variable.read_value())
+        items = _replicas.read_local(self.variable)
         self.variable.assign(UNSET)
         return ReplicaItems(items)
 
