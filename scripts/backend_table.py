@@ -7,6 +7,10 @@ the rounds, from the raw JSON files (a missing "before" prints as -).
         --before=docs/benchmarks/rule_driver/backend_bench_torch_before.json \\
         --after=docs/benchmarks/rule_driver/backend_bench_torch_after.json
 
+With `--digests=BEFORE.txt,AFTER.txt` (two outputs of
+`scripts/step_digest.py`) it prints instead the lines whose operations
+changed, with their op counts, and how many stayed identical.
+
 tests/test_benchmark_tables.py checks that BENCHMARKS.md holds these rows.
 """
 
@@ -18,6 +22,7 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_string("before", None, "results.json of the run before the change (optional).")
 flags.DEFINE_string("after", None, "results.json of the run after it.")
+flags.DEFINE_list("digests", None, "Two scripts/step_digest.py outputs: before,after.")
 
 HEADER = (
     "| model | arm | before: ms | before: / Keras's acc. | before: / plain Adam "
@@ -52,6 +57,27 @@ def table(before, after):
     return "\n".join(lines)
 
 
+DIGEST_HEADER = "| set-up | mode | width | ops before | ops after |\n|---|---|---|---|---|"
+
+
+def digest_table(before, after):
+    """(markdown table of the lines of two `step_digest.py` outputs whose
+    digest changed, the number of lines that are identical)."""
+
+    def lines(text):
+        return {tuple(x.split()[:3]): x.split()[3:] for x in text.splitlines() if x.strip()}
+
+    old, new = lines(before), lines(after)
+    assert old.keys() == new.keys(), "the two outputs list other set-ups"
+    rows, same = [DIGEST_HEADER], 0
+    for key, (digest, count, *_) in new.items():
+        if old[key][0] == digest:
+            same += 1
+        else:
+            rows.append("| " + " | ".join([*key, old[key][1], count]) + " |")
+    return "\n".join(rows), same
+
+
 def load(path):
     if path is None:
         return None
@@ -62,6 +88,12 @@ def load(path):
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"Unexpected arguments {argv[1:]}; flags are --name=value.")
+    if FLAGS.digests:
+        before, after = (open(path).read() for path in FLAGS.digests)
+        rows, same = digest_table(before, after)
+        print(rows)
+        print(f"{same} of {len(after.splitlines())} lines identical")
+        return
     if FLAGS.after is None:
         sys.exit("--after is required: a results.json of scripts/backend_bench.py")
     print(table(load(FLAGS.before), load(FLAGS.after)))

@@ -136,3 +136,38 @@ def test_the_window_end_run_and_the_weights_swap_are_the_raw_files():
     assert f"IA's model takes {ia} ms, UAA's {uaa} and plain Adam's {plain}" in words
     assert f"IA's model takes {ia_swapped} ms and UAA's {uaa_swapped}" in words
     assert float(ia_swapped) < float(uaa) * 1.05 and float(uaa_swapped) > float(ia) * 0.95
+
+
+def test_the_rule_functions_section_is_the_raw_files():
+    """Issue #48: the step digests before (f4fb8c7) and after on every
+    backend, and the JAX and PyTorch timings, as BENCHMARKS.md gives them."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    words = " ".join(text.split())
+    for backend in ("tensorflow", "jax", "torch"):
+        before = (RAW / f"rule_functions_{backend}_before.txt").read_text()
+        after = (RAW / f"rule_functions_{backend}_after.txt").read_text()
+        rows, same = backend_table.digest_table(before, after)
+        for row in rows.splitlines()[2:]:
+            assert row in text, row
+        assert f"* {backend}: {same} of {len(after.splitlines())} lines identical" in words
+        # Only GradientAccumulation changed, and to fewer ops.
+        for row in rows.splitlines()[2:]:
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert cells[0] == "gradient_accumulation" and int(cells[4]) < int(cells[3])
+    for backend in ("torch", "jax"):
+        before = _load(f"{backend}_rule_functions_before")
+        after = _load(f"{backend}_rule_functions_after")
+        assert before["git"] == {"commit": before["git"]["commit"], "modified": False}
+        assert before["git"]["commit"].startswith("f4fb8c7")
+        assert after["git"]["commit"].startswith("c9e349f") and not after["git"]["modified"]
+        assert before["rounds"] == after["rounds"] == 9
+        for row in backend_table.table(before, after).splitlines()[2:]:
+            assert row in text, row
+        rows = {(r["model"], r["arm"]): r for r in after["rows"]}
+        old = {(r["model"], r["arm"]): r for r in before["rows"]}
+        for model in ("mlp", "cnn"):
+            pair = [
+                f"{run[(model, 'grad_accum')]['ratio_to_plain_adam']['median']:.2f}x"
+                for run in (old, rows)
+            ]
+            assert " -> ".join(pair) in words, (backend, model, pair)
