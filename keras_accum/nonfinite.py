@@ -17,9 +17,10 @@ a micro-batch is each driver's: `all_finite` of the TensorFlow driver,
 
 Window state is reset at a window's start whatever its first micro-batch
 does, so a skip never leaves the previous window's sums or update in place.
-`GradientAccumulation` checks "skip_window" on its window sums once, at the
-window's end (NaN and Inf propagate into a sum); the Adam variants count bad
-micro-batches in `window_bad` instead. `InvariantAdam` folds each
+Where its window's end runs only at the end (PyTorch; TensorFlow in graph
+mode) `GradientAccumulation` checks "skip_window" on its window sums once
+(NaN and Inf propagate into a sum); elsewhere (JAX, XLA), and for the Adam
+variants, each micro-batch is checked and a bad one marks the window. `InvariantAdam` folds each
 micro-batch into its moments and cannot drop a window afterwards: it
 refuses "skip_window".
 """

@@ -132,7 +132,7 @@ def test_no_import_circle_in_the_library():
 
 def listed_modules(page):
     """The file names a docs page's map lists: the first column of each
-    line (`_tensors.py, nonfinite.py   what they do` lists two)."""
+    line (`nonfinite.py, _saving.py   what they do` lists two)."""
     names = set()
     for line in (ROOT / page).read_text().split("\n"):
         first = line.strip().split("  ")[0]
