@@ -188,6 +188,11 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
         self._window_bad = self.add_local_variable((), dtype=_backend.INT, name="window_bad")
         self._build_window()
 
+    @property
+    def _nonfinite_policy(self):
+        """`nonfinite`, as the drivers ask it (a `nonfinite.Policy`)."""
+        return nonfinite.POLICIES[self.nonfinite]
+
     def add_local_variable(self, shape, dtype, name, reference=None):
         """A replica-local variable (see `_replicas.add_local_variable`)."""
         return _replicas.add_local_variable(self, shape, dtype, name, reference)
@@ -358,9 +363,7 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
 
     def _window_ok(self, boundary):
         """Whether the window may be applied (True: always)."""
-        if self.nonfinite == "skip_window":
-            return ops.equal(ops.convert_to_tensor(self._window_bad), 0)
-        return True
+        return self._nonfinite_policy.window_ok(self._window_bad)
 
     def _window_sums(self):
         """The variables a NaN propagates into (`_checks_window_sums`)."""

@@ -233,7 +233,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         self._weight.assign(kernels.window_sum(self._weight, share, start))
 
     def _window_ok(self, boundary):
-        if self.nonfinite == "skip_micro_batch":
+        if self._nonfinite_policy.empties_windows:
             return self._weight > 0.0  # every micro-batch skipped: nothing to apply
         return super()._window_ok(boundary)
 

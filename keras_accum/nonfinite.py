@@ -1,7 +1,8 @@
 """What the optimizers do with a NaN or an Inf gradient: the `nonfinite`
-argument's policy table, and the one-line error of "raise" (the check of
-a micro-batch is each driver's: `all_finite` of the TensorFlow driver,
-`kernels.finite` elsewhere).
+argument's policies (`Policy` objects, which the drivers ask what to do),
+and the one-line error of "raise" (the check of a micro-batch is each
+driver's: `all_finite` of the TensorFlow driver, `kernels.finite`
+elsewhere).
 
 +----------------------+----------------------------------------+-------------------------+
 | policy               | a non-finite micro-batch               | counted in              |
@@ -27,15 +28,71 @@ refuses "skip_window".
 
 import contextlib
 import re
+from typing import Any
+
+from keras import ops
 
 # How `nonfinite="raise"` words its error (see `explained`).
 MESSAGE = "non-finite gradient (nonfinite=raise)"  # no quotes: errors escape them
 
+
+class Policy:
+    """One value of the `nonfinite` argument, as the drivers ask it: whether
+    a micro-batch is screened, what a bad one does, whether the window may
+    be applied, and what a dropped window leaves (the drivers ask these
+    answers, never the policy's name).
+
+    Attributes:
+        name: the argument's value (`"skip_micro_batch"`, ..., or None).
+        screens: each micro-batch is checked (every policy but None).
+        raises: a non-finite micro-batch stops the step (`"raise"`).
+        skips: a non-finite micro-batch reaches the rule as zeros, with
+            `ok` False (the `skip_*` policies).
+        drops_windows: a window that holds a non-finite micro-batch is not
+            applied, and counted in `skipped_updates` (`"skip_window"`).
+        empties_windows: a window may reach its end with every micro-batch
+            left out, and must then not be applied (`"skip_micro_batch"`:
+            under "skip_window" such a window is dropped anyway).
+    """
+
+    def __init__(
+        self, name: str | None, *, raises: bool = False, skips: bool = False, drops: bool = False
+    ):
+        self.name = name
+        self.screens = name is not None
+        self.raises, self.skips, self.drops_windows = raises, skips, drops
+        self.empties_windows = skips and not drops
+
+    def counts_skipped(self, sums_show_it: bool) -> bool:
+        """Whether a skipped micro-batch counts in `skipped_micro_batches`:
+        always under "skip_micro_batch"; under "skip_window" only where the
+        window's sums would not show it (an Adam variant's moments)."""
+        return self.skips and not (self.drops_windows and sums_show_it)
+
+    def window_ok(self, bad: Any) -> Any:
+        """Whether the window may be applied, from its count of non-finite
+        micro-batches (a number or a tensor; True: always)."""
+        return ops.equal(ops.convert_to_tensor(bad), 0) if self.drops_windows else True
+
+    def clears_dropped_sums(self, sums_show_it: bool) -> bool:
+        """What a dropped window leaves: its sums are cleared where a NaN
+        entered them (they are checked once, at the window's end), so that
+        no NaN outlives the window; else nothing bad entered them."""
+        return self.drops_windows and sums_show_it
+
+    def __repr__(self) -> str:
+        return f"nonfinite.Policy({self.name!r})"
+
+
+# The policies, by the argument's value (the order the errors list them).
 POLICIES = {
-    "skip_micro_batch": "the micro-batch is left out of its window",
-    "skip_window": "the window's update is dropped",
-    "raise": "tf.errors.InvalidArgumentError at the first non-finite value",
-    None: "no check",
+    policy.name: policy
+    for policy in (
+        Policy("skip_micro_batch", skips=True),
+        Policy("skip_window", skips=True, drops=True),
+        Policy("raise", raises=True),
+        Policy(None),
+    )
 }
 
 

@@ -235,6 +235,66 @@ def test_the_rules_ask_no_flag_type_question(module):
     assert flag_questions((PACKAGE / module).read_text()) == []
 
 
+# -- the non-finite policies are objects: nobody compares their names ------------
+# (`nonfinite.Policy` answers what a driver asks: screens, raises, skips,
+# drops_windows, window_ok, what a dropped window leaves.)
+
+POLICY_NAMES = {"skip_micro_batch", "skip_window", "raise"}
+
+
+def policy_name_comparisons(source):
+    """['line: what'] for each comparison of the `nonfinite` argument, or of
+    a policy's name, in a module: `x.nonfinite == ...`, `policy in (...)`,
+    `... == "skip_window"`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        for side in list(sides):
+            sides += side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else []
+        for side in sides:
+            if isinstance(side, ast.Attribute) and side.attr == "nonfinite":
+                found.append(f"{node.lineno}: .nonfinite compared")
+            elif isinstance(side, ast.Name) and side.id in ("nonfinite", "policy"):
+                found.append(f"{node.lineno}: {side.id} compared")
+            elif isinstance(side, ast.Constant) and side.value in POLICY_NAMES:
+                found.append(f"{node.lineno}: {side.value!r} compared")
+    return found
+
+
+def test_the_scan_sees_a_policy_compared_by_name():
+    assert policy_name_comparisons("if self.nonfinite == 'raise':\n    pass\n") == [
+        "1: .nonfinite compared",
+        "1: 'raise' compared",
+    ]
+    assert policy_name_comparisons("if policy in (None, 'raise'):\n    pass\n") == [
+        "1: policy compared",
+        "1: 'raise' compared",
+    ]
+    assert policy_name_comparisons("if policy.drops_windows and x == 1:\n    pass\n") == []
+
+
+def test_no_module_compares_a_policy_by_name():
+    # The argument's check (base.py's `check_choice`) and InvariantAdam's
+    # refusal of "skip_window" read the user's value; nothing else asks a
+    # policy its name (keras_accum/nonfinite.py holds the table).
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative == "nonfinite.py" or relative.startswith("experiments/"):
+            continue
+        hits = policy_name_comparisons(path.read_text())
+        if hits:
+            found[relative] = hits
+    assert found == {"invariant_adam.py": [f"{INVARIANT_REFUSAL}: 'skip_window' compared"]}
+
+
+INVARIANT_REFUSAL = next(
+    number
+    for number, line in enumerate((PACKAGE / "invariant_adam.py").read_text().splitlines(), 1)
+    if 'get("nonfinite")' in line
+)
 # -- private Keras and TensorFlow names: in keras_accum/_compat.py only ----------
 
 COMPAT = PACKAGE / "_compat.py"

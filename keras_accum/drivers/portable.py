@@ -108,7 +108,8 @@ def apply(optimizer, grads, variables, weight, overwrite):
     """One micro-batch: screen, fold, count, and at a window's end update
     (what the TensorFlow driver's `_merge_apply` does there). Returns what
     `end_window` returns."""
-    if optimizer.nonfinite == "raise" and _backend.BACKEND == "jax":
+    policy = optimizer._nonfinite_policy
+    if policy.raises and _backend.BACKEND == "jax":
         raise ValueError(
             f"{type(optimizer).__name__}: nonfinite='raise' cannot stop a compiled "
             "JAX step; use 'skip_micro_batch', 'skip_window' or None. "
@@ -123,9 +124,9 @@ def apply(optimizer, grads, variables, weight, overwrite):
     else:
         start = step % optimizer.steps == 0
     ok = True
-    if optimizer.nonfinite is not None and not checks_sums_at_end(optimizer):
+    if policy.screens and not checks_sums_at_end(optimizer):
         ok = decided(kernels.finite(grads))
-        if optimizer.nonfinite == "raise":
+        if policy.raises:
             if not bool(ok):  # eager (PyTorch): one line, as `nonfinite.explained` gives
                 step = int(ops.convert_to_numpy(optimizer._micro_step)) + 1
                 raise nonfinite.NonFiniteGradientError(
@@ -176,7 +177,11 @@ def checks_sums_at_end(optimizer):
     checks them once, at the window's end (eagerly, where the window's end
     runs only at the end; traced, every micro-batch is screened, which fuses
     into the fold)."""
-    return kernels.EAGER and optimizer.nonfinite == "skip_window" and optimizer._checks_window_sums
+    return (
+        kernels.EAGER
+        and optimizer._nonfinite_policy.drops_windows
+        and optimizer._checks_window_sums
+    )
 
 
 def count_bad(optimizer, start, ok):
@@ -184,7 +189,7 @@ def count_bad(optimizer, start, ok):
     where the rule's sums would show it), and in the window's `window_bad`;
     eagerly (Python bools) nothing is written for a good micro-batch inside
     a window."""
-    skips = optimizer.nonfinite == "skip_micro_batch" or not optimizer._checks_window_sums
+    skips = optimizer._nonfinite_policy.counts_skipped(optimizer._checks_window_sums)
     if isinstance(ok, bool) and isinstance(start, bool):
         if not ok and skips:
             optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + 1)
@@ -218,7 +223,8 @@ def end_window(optimizer, variables, boundary):
         if dropped is not False:
             counter = optimizer._skipped_updates
             counter.assign(counter + flag(dropped, _backend.INT))
-        if dropped is True:  # eager: no NaN left in the sums
+        clears = optimizer._nonfinite_policy.clears_dropped_sums(optimizer._checks_window_sums)
+        if dropped is True and clears:  # eager: no NaN left in the sums
             for total in optimizer._window_sums():
                 total.assign(ops.zeros_like(total))
     if keep is False:

@@ -130,7 +130,8 @@ class Driver:
             self._skipped_updates.assign_add(1)
             self._tf_drop_window(trainable_variables)
 
-        counts_bad = self.nonfinite == "skip_window" and not self._checks_window_sums
+        policy = self._nonfinite_policy
+        counts_bad = policy.drops_windows and not self._checks_window_sums
         if boundary is not None:
             keep = boundary if window_ok is None else boundary & window_ok
             state = list(trainable_variables) + list(self.variables)

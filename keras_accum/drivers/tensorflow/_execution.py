@@ -365,10 +365,10 @@ def screen(optimizer, grads, mask=True):
     micro-batch comes back as zeros (an arithmetic mask, no branch over
     parameter-sized state); else `ok` is None.
     """
-    policy = optimizer.nonfinite
-    if policy is None:
+    policy = optimizer._nonfinite_policy
+    if not policy.screens:
         return grads, None
-    if policy == "raise":
+    if policy.raises:
         if in_xla():
             refuse_raise_under_xla(optimizer.name)
         # One check of the micro-batch, naming the optimizer and the
@@ -382,7 +382,7 @@ def screen(optimizer, grads, mask=True):
     ok = all_finite(grads)
     bad = 1 - tf.cast(ok, "int64")
     optimizer._skipped_micro_batches.assign_add(bad)
-    if policy == "skip_window":
+    if policy.drops_windows:
         optimizer._window_bad.assign_add(bad)
     if not mask:
         return grads, ok

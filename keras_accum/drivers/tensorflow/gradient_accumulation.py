@@ -28,7 +28,7 @@ class GradientAccumulationForm:
         grads = [_execution.sparse_or_dense(g, v) for g, v in zip(grads, variables)]
         grads = [_execution.map_values(lambda x: tf.cast(x, "float32"), g) for g in grads]
         xla = _execution.in_xla()
-        if self.nonfinite == "skip_window":
+        if self._nonfinite_policy.drops_windows:
             ok = None  # graph mode: the window's sums are checked at its end
             if xla:
                 # Under XLA the check fuses into the fold; a bad micro-batch
@@ -59,9 +59,10 @@ class GradientAccumulationForm:
     def _tf_read_window(self, variables):
         """((W,), ok): W summed over replicas; whether the window may be
         applied, under each policy."""
-        if self.nonfinite != "skip_window":
+        policy = self._nonfinite_policy
+        if not policy.drops_windows:
             total_weight = _replicas.read_total(self._weight)
-            if self.nonfinite == "skip_micro_batch":
+            if policy.empties_windows:
                 # Every micro-batch of the window skipped: nothing to apply.
                 return (total_weight,), total_weight > 0.0
             return (total_weight,), None
@@ -83,7 +84,7 @@ class GradientAccumulationForm:
         return (totals[0],), tf.equal(totals[1], 0.0)
 
     def _tf_drop_window(self, variables, dropped=None):
-        if self.nonfinite != "skip_window":
+        if not self._nonfinite_policy.clears_dropped_sums(True):
             return  # the sums are finite: bad micro-batches never entered
         accumulators = self._accumulators_of(variables)
 

@@ -26,7 +26,7 @@ class UpdateAccumulationAdamForm:
         # clip it on each (each counts the skip of its own micro-batch).
         xla = _execution.in_xla()
         reduced, ok = _replicas.for_each_replica(self._prepare, reduced, variables, xla)
-        if self.nonfinite in (None, "raise"):
+        if not self._nonfinite_policy.skips:
             ok = None
         else:
             ok = _replicas.local_value(ok)
