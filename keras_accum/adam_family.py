@@ -3,14 +3,19 @@ variants (`InvariantAdam`, `UpdateAccumulationAdam`)."""
 
 from typing import Any
 
+import keras
 from keras import ops
 
 from keras_accum import _compat, equations
 from keras_accum.base import AccumulationOptimizer
-from keras_accum.validation import check_float, check_rate
+from keras_accum.validation import check_choice, check_float, check_rate
 
 # Base-optimizer arguments the Adam variants do not implement.
 ADAM_UNSUPPORTED = ("gradient_accumulation_steps",)
+# Variables of these dtypes keep their moments in `state_dtype`: in
+# bfloat16 beta_2 = 0.999 rounds to 1.0, and Adam's step to 0.
+LOW_PRECISION = ("bfloat16", "float16")
+STATE_DTYPES = ("float32", None)
 
 
 class AdamFamily(AccumulationOptimizer):
@@ -20,6 +25,12 @@ class AdamFamily(AccumulationOptimizer):
     `ema_momentum`, `ema_overwrite_frequency`, `loss_scale_factor` and
     `weight_decay` are accepted; with `steps=1` on one replica each behaves as
     in `keras.optimizers.Adam`.
+
+    `state_dtype`: the dtype of the moments (and buffer) of a bfloat16 or
+    float16 variable, "float32" by default; None keeps them in the
+    variable's own dtype, as `keras.optimizers.Adam` does (where bfloat16
+    rounds beta_2 = 0.999 to 1 and the step to 0). The step is computed in
+    `state_dtype` and written to the variable in its own dtype.
     """
 
     def __init__(
@@ -32,6 +43,7 @@ class AdamFamily(AccumulationOptimizer):
         nonfinite: str | None = "skip_micro_batch",
         weight_decay: float | None = None,
         name: str | None = None,
+        state_dtype: str | None = "float32",
         **kwargs: Any,
     ):
         for unsupported in ADAM_UNSUPPORTED:
@@ -58,6 +70,28 @@ class AdamFamily(AccumulationOptimizer):
         self.beta_1 = beta_1
         self.beta_2 = beta_2
         self.epsilon = epsilon
+        self.state_dtype = check_choice("state_dtype", state_dtype, STATE_DTYPES)
+
+    def _slot_dtype(self, dtype):
+        """The dtype of the moments of a variable of `dtype`: `state_dtype`
+        for bfloat16 and float16, else `dtype`."""
+        dtype = keras.backend.standardize_dtype(dtype)
+        return self.state_dtype if self.state_dtype and dtype in LOW_PRECISION else dtype
+
+    def _slot(self, variable, name):
+        """A slot of `variable` (Keras's `add_variable_from_reference`: named
+        and sharded after it) in `_slot_dtype`."""
+        dtype = self._slot_dtype(variable.dtype)
+        if dtype == keras.backend.standardize_dtype(variable.dtype):
+            return self.add_variable_from_reference(variable, name)
+        prefix = getattr(variable, "path", variable.name).replace("/", "_").replace(":", "_")
+        layout = _compat.variable_layout(variable)
+        return self.add_variable(
+            shape=variable.shape,
+            dtype=dtype,
+            name=f"{prefix}_{name}",
+            **({} if layout is None else {"layout": layout}),
+        )
 
     def _clips(self):
         """True when Keras's `clipnorm`, `global_clipnorm` or `clipvalue`
@@ -80,12 +114,13 @@ class AdamFamily(AccumulationOptimizer):
         return equations.adam_alpha(learning_rate, count, self.beta_1, self.beta_2, dtype)
 
     def _decay_of(self, variable, learning_rate):
-        """(weight_decay, lr) in `variable`'s dtype where the update decays
-        it (`equations.decayed`: theta - theta weight_decay lr, Keras's
-        form), else None."""
+        """(weight_decay, lr) in the dtype of `variable`'s step (its own, or
+        float32 for a bfloat16 one) where the update decays it
+        (`equations.decayed`: theta - theta weight_decay lr, Keras's form),
+        else None."""
         if self.weight_decay is None or not _compat.uses_weight_decay(self, variable):
             return None
-        dtype = variable.dtype
+        dtype = self._slot_dtype(variable.dtype)  # the step's (float32 state of bfloat16)
         return ops.cast(self.weight_decay, dtype), ops.cast(learning_rate, dtype)
 
     def _decay(self, variable, lr):
@@ -98,4 +133,5 @@ class AdamFamily(AccumulationOptimizer):
         for name in ADAM_UNSUPPORTED:
             config.pop(name, None)
         config.update({"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon})
+        config["state_dtype"] = self.state_dtype
         return config

@@ -363,7 +363,9 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
 
     def _window_ok(self, boundary):
         """Whether the window may be applied (True: always)."""
-        return self._nonfinite_policy.window_ok(self._window_bad)
+        if self._nonfinite_policy.drops_windows:  # no bad micro-batch in the window
+            return ops.equal(ops.convert_to_tensor(self._window_bad), 0)
+        return True
 
     def _window_sums(self):
         """The variables a NaN propagates into (`_checks_window_sums`)."""

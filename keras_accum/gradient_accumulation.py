@@ -1,6 +1,7 @@
 """Gradient accumulation around any Keras optimizer."""
 
 import copy
+import warnings
 from typing import Any
 
 from keras import ops, optimizers, saving
@@ -126,7 +127,24 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         ]
         self._weight = self.add_local_variable((), "float32", "weight")
         self.inner_optimizer.build(var_list)
+        self._warn_low_precision_slots()
         self._restore_deferred_state()
+
+    def _warn_low_precision_slots(self):
+        """Says so in one line when the inner optimizer keeps slots in
+        bfloat16 or float16 (a Keras optimizer's follow the variables'
+        dtype): there beta_2 = 0.999 rounds to 1 and Adam's step to 0."""
+        low = {str(v.dtype) for v in self.inner_optimizer.variables} & {"bfloat16", "float16"}
+        if low:
+            warnings.warn(
+                f"GradientAccumulation '{self.name}': the inner "
+                f"{type(self.inner_optimizer).__name__} keeps its slots in "
+                f"{', '.join(sorted(low))}, as the variables are (its moments may stall: "
+                "beta_2 = 0.999 rounds to 1 in bfloat16). Train float32 variables (the "
+                "'mixed_bfloat16' policy), or use keras_accum.InvariantAdam or "
+                "UpdateAccumulationAdam, whose moments are float32 (`state_dtype`).",
+                stacklevel=2,
+            )
 
     # EMA of the weights is the inner optimizer's (it runs at the inner
     # step, once per window). The wrapper shows it as its own once built, so

@@ -133,6 +133,8 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
             kappa), "invariant", "power" or "fixed_beta_1" (see above).
         nonfinite: `"skip_micro_batch"`, `"raise"` or None.
         weight_decay: optional decoupled weight decay.
+        state_dtype: the moments' dtype for a bfloat16 or float16 variable:
+            "float32" (default) or None (the variable's own, as Keras's Adam).
         name: optimizer name.
     """
 
@@ -161,11 +163,12 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         super().build(var_list)
         self._momentums, self._velocities = [], []
         for var in var_list:
+            dtype = self._slot_dtype(var.dtype)  # float32 for a bfloat16 variable
             self._momentums.append(
-                self.add_local_variable(var.shape, var.dtype, "momentum", reference=var)
+                self.add_local_variable(var.shape, dtype, "momentum", reference=var)
             )
             self._velocities.append(
-                self.add_local_variable(var.shape, var.dtype, "velocity", reference=var)
+                self.add_local_variable(var.shape, dtype, "velocity", reference=var)
             )
         self._build_scaling()
         self._restore_deferred_state()
@@ -319,15 +322,17 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
     def _update(self, variables, keep):
         learning_rate, correction = self.rate_and_correction(1, keep)
         indices = [_compat.variable_index(self, var) for var in variables]
-        alphas = {}  # alpha_t, once per dtype
-        for var in variables:
-            if var.dtype not in alphas:
-                alphas[var.dtype] = self.alpha(learning_rate, correction, var.dtype)
-        # theta = decayed(theta) - alpha m / (sqrt(v) + epsilon)
+        momentums = [self._momentums[i] for i in indices]
+        alphas = {}  # alpha_t, once per dtype of the moments
+        for m in momentums:
+            if m.dtype not in alphas:
+                alphas[m.dtype] = self.alpha(learning_rate, correction, m.dtype)
+        # theta = decayed(theta) - alpha m / (sqrt(v) + epsilon), the step
+        # written in theta's dtype
         steps = kernels.adam_steps(
-            [self._momentums[i] for i in indices],
+            momentums,
             [self._velocities[i] for i in indices],
-            [alphas[var.dtype] for var in variables],
+            [alphas[m.dtype] for m in momentums],
             self.epsilon,
         )
         decays = [self._decay_of(var, learning_rate) for var in variables]

@@ -241,19 +241,34 @@ def subtract(variables, deltas, keep=True, decays=None):
     `equations.decayed`) theta is decayed first: decayed(theta) - delta."""
     decays = decays or [None] * len(variables)
     if _in_place() and keep is True:
+        values = _values(variables)
         with torch.no_grad():
-            for variable, decay in zip(variables, decays):
+            if any(d.dtype != x.dtype for d, x in zip(deltas, values)):
+                for x, d, decay in zip(values, deltas, decays):
+                    x.copy_(minus(x, d, decay))
+                return
+            for x, decay in zip(values, decays):
                 if decay is not None:
-                    variable.value.copy_(equations.decayed(variable.value, *decay))
-            torch._foreach_sub_(_values(variables), deltas)
+                    x.copy_(equations.decayed(x, *decay))
+            torch._foreach_sub_(values, deltas)
         return
     if keep is False:
         return
     for variable, delta, decay in zip(variables, deltas, decays):
-        theta = ops.convert_to_tensor(variable)
-        if decay is not None:
-            theta = equations.decayed(theta, *decay)
-        variable.assign(masked(keep, theta - ops.cast(delta, variable.dtype), variable))
+        theta = minus(ops.convert_to_tensor(variable), delta, decay)
+        variable.assign(masked(keep, theta, variable))
+
+
+def minus(theta, delta, decay=None):
+    """decayed(theta) - delta (`decay`: None, or the (weight_decay, lr) of
+    `equations.decayed`, in delta's dtype) in theta's dtype. A float32
+    delta of a bfloat16 or float16 theta (float32 state) is applied in
+    float32 and rounded once, at the write."""
+    if delta.dtype == theta.dtype:
+        return (theta if decay is None else equations.decayed(theta, *decay)) - delta
+    wide = ops.cast(theta, delta.dtype)
+    wide = wide if decay is None else equations.decayed(wide, *decay)
+    return ops.cast(wide - delta, theta.dtype)
 
 
 def update_ema(optimizer, keep=True, replicas=1):

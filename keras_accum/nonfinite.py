@@ -28,9 +28,6 @@ refuses "skip_window".
 
 import contextlib
 import re
-from typing import Any
-
-from keras import ops
 
 # How `nonfinite="raise"` words its error (see `explained`).
 MESSAGE = "non-finite gradient (nonfinite=raise)"  # no quotes: errors escape them
@@ -40,7 +37,8 @@ class Policy:
     """One value of the `nonfinite` argument, as the drivers ask it: whether
     a micro-batch is screened, what a bad one does, whether the window may
     be applied, and what a dropped window leaves (the drivers ask these
-    answers, never the policy's name).
+    answers, never the policy's name). Plain attributes: reading them
+    enters no function of this module on a traced step.
 
     Attributes:
         name: the argument's value (`"skip_micro_batch"`, ..., or None).
@@ -49,7 +47,13 @@ class Policy:
         skips: a non-finite micro-batch reaches the rule as zeros, with
             `ok` False (the `skip_*` policies).
         drops_windows: a window that holds a non-finite micro-batch is not
-            applied, and counted in `skipped_updates` (`"skip_window"`).
+            applied, and counted in `skipped_updates` (`"skip_window"`):
+            the window may be applied only where its count of bad
+            micro-batches (`window_bad`) is 0, or where its sums, which a
+            NaN propagates into (`_checks_window_sums`), are finite; a
+            dropped window's sums are cleared, so that no NaN outlives it.
+            A skipped micro-batch is then counted in
+            `skipped_micro_batches` only where the sums would not show it.
         empties_windows: a window may reach its end with every micro-batch
             left out, and must then not be applied (`"skip_micro_batch"`:
             under "skip_window" such a window is dropped anyway).
@@ -62,23 +66,6 @@ class Policy:
         self.screens = name is not None
         self.raises, self.skips, self.drops_windows = raises, skips, drops
         self.empties_windows = skips and not drops
-
-    def counts_skipped(self, sums_show_it: bool) -> bool:
-        """Whether a skipped micro-batch counts in `skipped_micro_batches`:
-        always under "skip_micro_batch"; under "skip_window" only where the
-        window's sums would not show it (an Adam variant's moments)."""
-        return self.skips and not (self.drops_windows and sums_show_it)
-
-    def window_ok(self, bad: Any) -> Any:
-        """Whether the window may be applied, from its count of non-finite
-        micro-batches (a number or a tensor; True: always)."""
-        return ops.equal(ops.convert_to_tensor(bad), 0) if self.drops_windows else True
-
-    def clears_dropped_sums(self, sums_show_it: bool) -> bool:
-        """What a dropped window leaves: its sums are cleared where a NaN
-        entered them (they are checked once, at the window's end), so that
-        no NaN outlives the window; else nothing bad entered them."""
-        return self.drops_windows and sums_show_it
 
     def __repr__(self) -> str:
         return f"nonfinite.Policy({self.name!r})"

@@ -61,6 +61,8 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
             (`keras_accum.PiecewiseSteps`, `keras_accum.AdaptiveSteps`).
         nonfinite: `"skip_micro_batch"`, `"skip_window"`, `"raise"` or None.
         weight_decay: optional decoupled weight decay.
+        state_dtype: the moments' dtype for a bfloat16 or float16 variable:
+            "float32" (default) or None (the variable's own, as Keras's Adam).
         name: optimizer name.
     """
 
@@ -91,7 +93,7 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         for var in var_list:
             overwrite = getattr(var, "overwrite_with_gradient", False)
             for slot, name in zip(slots, names):
-                slot.append(None if overwrite else self.add_variable_from_reference(var, name))
+                slot.append(None if overwrite else self._slot(var, name))
         self._momentums, self._velocities = slots[0], slots[1]
         self._updates = slots[2] if buffered else None
         self._restore_deferred_state()
@@ -111,9 +113,10 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         return equations.adam_step(m, v, alpha, epsilon)
 
     def alpha_dtype(self, dtype):
-        """The dtype alpha_t is computed in for a variable of `dtype`: its
-        own without a buffer A (Keras Adam: in bfloat16 beta_2 = 0.999
-        rounds to 1 and alpha is 0, as there), float32 with one."""
+        """The dtype alpha_t is computed in for moments of `dtype`: theirs
+        without a buffer A (Keras Adam: with `state_dtype=None`, in bfloat16
+        beta_2 = 0.999 rounds to 1 and alpha is 0, as there), float32 with
+        one."""
         return dtype if self._updates is None else "float32"
 
     def alpha(self, count, dtype):
@@ -125,7 +128,7 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
 
     def _fold(self, grads, variables, weight, start, ok):
         # (A skipped micro-step comes as zeros, and `ok` keeps it out.)
-        grads = [ops.cast(g, v.dtype) for g, v in zip(grads, variables)]
+        grads = [ops.cast(g, self._slot_dtype(v.dtype)) for g, v in zip(grads, variables)]
         grads = self._clip_micro_batch(grads, 1)
         # t = micro-steps folded into the moments so far (a skip adds none)
         t = ops.convert_to_tensor(self._moment_steps) + kernels.flag(ok, _backend.INT)
@@ -135,14 +138,14 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         velocities = [self._velocities[i] for i in indices]
         rates = (1 - self.beta_1, 1 - self.beta_2)
         kernels.adam_moments(momentums, velocities, grads, *rates, ok, self.changes)
-        # alpha_t, in the variable's dtype without a buffer (Keras Adam), else float32.
+        # alpha_t, in the moments' dtype without a buffer (Keras Adam), else float32.
         count = ops.maximum(t, 1)
         alphas = {}  # alpha_t, once per dtype it is computed in
-        for var in variables:
-            dtype = self.alpha_dtype(var.dtype)
+        for m in momentums:
+            dtype = self.alpha_dtype(m.dtype)
             if dtype not in alphas:
-                alphas[dtype] = ops.cast(self.alpha(count, dtype), var.dtype)
-        alphas = [alphas[self.alpha_dtype(var.dtype)] for var in variables]
+                alphas[dtype] = ops.cast(self.alpha(count, dtype), m.dtype)
+        alphas = [alphas[self.alpha_dtype(m.dtype)] for m in momentums]
         if self._updates is not None:
             # A = step at the window's start, else A + step (a skip adds 0).
             updates = [self._updates[i] for i in indices]
@@ -158,7 +161,11 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
             return
         # theta = decayed(theta) - A
         updates = [self._updates[_compat.variable_index(self, var)] for var in variables]
-        deltas = [ops.cast(a, var.dtype) for a, var in zip(updates, variables)]
+        # (A float32 A of a bfloat16 variable is subtracted in float32.)
+        deltas = [
+            ops.cast(a, var.dtype) if a.dtype == var.dtype else ops.convert_to_tensor(a)
+            for a, var in zip(updates, variables)
+        ]
         learning_rate = self.learning_rate
         decays = [self._decay_of(var, learning_rate) for var in variables]
         kernels.subtract(variables, deltas, keep, decays)

@@ -1,6 +1,11 @@
 """`steps=1` of both Adam variants is `keras.optimizers.Adam` in every
-dtype Keras Adam takes: float32, float16 and bfloat16 variables, and
-float32 variables under the mixed_float16 policy."""
+dtype Keras Adam takes: float32, float16 and bfloat16 variables (with
+`state_dtype=None`: moments in the variable's dtype, as Keras keeps them),
+and float32 variables under the mixed_float16 policy; with float32 state
+(the default) a bfloat16 variable trains the same in graph mode and under
+XLA as eagerly (tests/backends/test_low_precision.py: against numpy)."""
+
+import functools
 
 import keras
 import numpy as np
@@ -20,7 +25,7 @@ def test_steps_1_is_keras_adam_in_every_dtype(variant, dtype, graph):
     init = rng.normal(size=(3, 4)).astype("float32")
     ours = keras.Variable(init, dtype=dtype)
     theirs = keras.Variable(init, dtype=dtype)
-    opt, ref = variant(1e-2, steps=1), keras.optimizers.Adam(1e-2)
+    opt, ref = variant(1e-2, steps=1, state_dtype=None), keras.optimizers.Adam(1e-2)
     opt.build([ours])
     ref.build([theirs])
 
@@ -45,13 +50,44 @@ def test_bfloat16_beta_2_rounds_to_one_as_in_keras(variant):
     # are 0; 0.2.0's UpdateAccumulationAdam moved by -4e-4 (alpha in float32).
     ours = keras.Variable(np.zeros(2), dtype="bfloat16")
     theirs = keras.Variable(np.zeros(2), dtype="bfloat16")
-    opt, ref = variant(1e-4, steps=1), keras.optimizers.Adam(1e-4)
+    opt, ref = variant(1e-4, steps=1, state_dtype=None), keras.optimizers.Adam(1e-4)
     for _ in range(4):
         opt.apply([tf.ones(2, "bfloat16")], [ours])
         ref.apply([tf.ones(2, "bfloat16")], [theirs])
     expected = keras.ops.convert_to_numpy(theirs).astype("float32")
     np.testing.assert_array_equal(expected, [0.0, 0.0])
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(ours).astype("float32"), expected)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float32_state_of_bfloat16_is_the_same_compiled(variant, steps):
+    # The TensorFlow forms' kernels (graph mode, one compiled kernel per
+    # replica under XLA, a wide variable to make them compile) against the
+    # eager run, which tests/backends/test_low_precision.py checks against
+    # numpy. Before float32 state, InvariantAdam moved nothing here.
+    rng = np.random.default_rng(5)
+    init = rng.normal(size=(64, 80)).astype("float32")
+    grads = [tf.constant(rng.normal(size=(64, 80)), "bfloat16") for _ in range(2 * steps)]
+    results = []
+    for mode in ("eager", "graph", "xla"):
+        var = keras.Variable(init, dtype="bfloat16")
+        opt = variant(1e-2, steps=steps, weight_decay=0.1)
+        opt.build([var])
+        step = functools.partial(_apply, opt, var)
+        if mode != "eager":
+            step = tf.function(step, jit_compile=mode == "xla")
+        for g in grads:
+            step(g)
+        results.append(keras.ops.convert_to_numpy(var).astype("float32"))
+    assert np.max(np.abs(results[0] - init)) > 0.005
+    np.testing.assert_array_equal(results[1], results[0])
+    # XLA fuses the float32 arithmetic otherwise: one bfloat16 spacing.
+    np.testing.assert_allclose(results[2], results[0], rtol=2.0**-7, atol=0)
+
+
+def _apply(optimizer, variable, grad):
+    optimizer.apply([grad], [variable])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

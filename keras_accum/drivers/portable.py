@@ -189,7 +189,8 @@ def count_bad(optimizer, start, ok):
     where the rule's sums would show it), and in the window's `window_bad`;
     eagerly (Python bools) nothing is written for a good micro-batch inside
     a window."""
-    skips = optimizer._nonfinite_policy.counts_skipped(optimizer._checks_window_sums)
+    policy = optimizer._nonfinite_policy
+    skips = policy.skips and not (policy.drops_windows and optimizer._checks_window_sums)
     if isinstance(ok, bool) and isinstance(start, bool):
         if not ok and skips:
             optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + 1)
@@ -223,8 +224,7 @@ def end_window(optimizer, variables, boundary):
         if dropped is not False:
             counter = optimizer._skipped_updates
             counter.assign(counter + flag(dropped, _backend.INT))
-        clears = optimizer._nonfinite_policy.clears_dropped_sums(optimizer._checks_window_sums)
-        if dropped is True and clears:  # eager: no NaN left in the sums
+        if dropped is True:  # eager: no NaN left in the sums (if any entered)
             for total in optimizer._window_sums():
                 total.assign(ops.zeros_like(total))
     if keep is False:

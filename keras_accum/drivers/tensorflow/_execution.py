@@ -29,7 +29,7 @@ import weakref
 
 import keras
 
-from keras_accum import _compat, _replicas, nonfinite
+from keras_accum import _compat, _replicas, equations, nonfinite
 from keras_accum._backend import tf
 
 
@@ -344,6 +344,16 @@ def _elementwise_finite(tensors):
 def _elements(tensor):
     count = tf.TensorShape(tensor.shape).num_elements()
     return SMALL if count is None else count
+
+
+def minus(theta, delta, decay=None):
+    """decayed(theta) - delta in theta's dtype, for a float32 delta of a
+    bfloat16 or float16 theta (float32 state): applied in float32 and
+    rounded once, at the write. `decay`: None or (weight_decay, lr) of
+    `equations.decayed`, in float32."""
+    wide = tf.cast(theta, delta.dtype)
+    wide = wide if decay is None else equations.decayed(wide, *decay)
+    return tf.cast(wide - delta, theta.dtype)
 
 
 def refuse_raise_under_xla(name):

@@ -84,7 +84,7 @@ class GradientAccumulationForm:
         return (totals[0],), tf.equal(totals[1], 0.0)
 
     def _tf_drop_window(self, variables, dropped=None):
-        if not self._nonfinite_policy.clears_dropped_sums(True):
+        if not self._nonfinite_policy.drops_windows:
             return  # the sums are finite: bad micro-batches never entered
         accumulators = self._accumulators_of(variables)
 

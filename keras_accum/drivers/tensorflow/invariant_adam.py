@@ -114,7 +114,13 @@ class InvariantAdamForm:
         return list(zip(totals[::2], totals[1::2]))
 
     def _apply_moments(self, variable, m, v, learning_rate, correction, writes):
-        alpha = self.alpha(learning_rate, correction, variable.dtype)
+        alpha = self.alpha(learning_rate, correction, m.dtype)
+        if m.dtype != variable.dtype:  # float32 state of a bfloat16 variable: one rounding
+            step = self.step(m, v, alpha, self.epsilon)
+            decay = self._decay_of(variable, learning_rate)
+            theta = tf.convert_to_tensor(variable)
+            writes.assign(variable, _execution.minus(theta, step, decay))
+            return
         self._decay(variable, tf.cast(learning_rate, variable.dtype))
         # theta = theta - alpha_k m / (sqrt(v) + epsilon)
         writes.assign_sub(variable, self.step(m, v, alpha, self.epsilon))

@@ -38,7 +38,7 @@ class UpdateAccumulationAdamForm:
         # dtype, as Keras Adam does (in bfloat16 beta_2 = 0.999 rounds to 1,
         # and Keras's alpha is 0); with a buffer, in float32.
         count = tf.maximum(t, 1)
-        dtypes = {self.alpha_dtype(v.dtype) for v in variables}
+        dtypes = {self.alpha_dtype(self._slot_dtype(v.dtype)) for v in variables}
         alphas = {tf.as_dtype(dtype).name: self.alpha(count, dtype) for dtype in dtypes}
         scalars = (
             alphas,
@@ -75,7 +75,8 @@ class UpdateAccumulationAdamForm:
         ]
 
     def _prepare(self, grads, variables, mask=True):
-        grads = [tf.cast(g, v.dtype) for g, v in zip(grads, variables)]
+        # In the moments' dtype (float32 for a bfloat16 variable).
+        grads = [tf.cast(g, self._slot_dtype(v.dtype)) for g, v in zip(grads, variables)]
         grads, ok = self._screen(grads, mask=mask)
         grads = self._clip_micro_batch(grads, 1)
         return grads, (tf.constant(True) if ok is None else ok)
@@ -94,7 +95,7 @@ class UpdateAccumulationAdamForm:
                     self._momentums[index].handle,
                     self._velocities[index].handle,
                     update,
-                    var.handle,
+                    (var.handle, tf.as_dtype(var.dtype)),
                     None if decay is None else tf.constant(decay, "float32"),
                 )
             )
@@ -110,6 +111,11 @@ class UpdateAccumulationAdamForm:
             update = self._updates[_compat.variable_index(self, var)]
 
             def apply_update(variable, update):
+                if update.dtype != variable.dtype:  # float32 A of a bfloat16 variable
+                    decay = self._decay_of(variable, learning_rate)
+                    theta = tf.convert_to_tensor(variable)
+                    writes.assign(variable, _execution.minus(theta, update, decay))
+                    return
                 self._decay(variable, tf.cast(learning_rate, variable.dtype))
                 # theta = theta - A
                 writes.assign_sub(variable, update)
@@ -125,8 +131,9 @@ def micro_step_kernel(rule, grads, handles, scalars, start, keep=True):
     weight decay, as `keras.optimizers.Adam` does.
 
     `rule` = (changes, step), the rule's functions; `handles`: (m, v, A or
-    None, theta, decay) per variable, decay the weight decay factor (or
-    None); `scalars` = (alphas, rate_1, rate_2, epsilon, learning_rate): the
+    None, (theta, its dtype), decay) per variable (m, v and A in the
+    gradient's dtype), decay the weight decay factor (or None); `scalars` =
+    (alphas, rate_1, rate_2, epsilon, learning_rate): the
     bias-corrected rate of this micro-step by dtype name (`alpha_dtype`),
     1 - beta_1, 1 - beta_2, epsilon and the learning rate, float32. `keep`
     False (a skipped micro-step): m, v and theta unchanged, A = 0 at the
@@ -134,7 +141,9 @@ def micro_step_kernel(rule, grads, handles, scalars, start, keep=True):
     """
     changes, step_of = rule
     alphas, rate_1, rate_2, epsilon, learning_rate = scalars
-    for g, (m_handle, v_handle, a_handle, theta_handle, decay) in zip(grads, handles):
+    for g, (m_handle, v_handle, a_handle, (theta_handle, theta_dtype), decay) in zip(
+        grads, handles
+    ):
         dtype = g.dtype
         alpha = alphas.get(dtype.name, alphas.get("float32"))
         cast = lambda x, dtype=dtype: tf.cast(x, dtype)
@@ -158,12 +167,18 @@ def micro_step_kernel(rule, grads, handles, scalars, start, keep=True):
         if factor is not None:
             step = step * factor
         if a_handle is None:
-            theta = _execution.read(theta_handle, dtype)
+            # In the step's dtype (float32 state of a bfloat16 theta: one
+            # rounding, at the write).
+            theta = _execution.read(theta_handle, theta_dtype)
+            wide = theta if theta_dtype == dtype else cast(theta)
             if decay is not None:
                 # theta = theta - theta * weight_decay * lr
                 rate = cast(learning_rate) if factor is None else cast(learning_rate) * factor
-                theta = equations.decayed(theta, cast(decay), rate)
-            _execution.write(theta_handle, theta - step)
+                wide = equations.decayed(wide, cast(decay), rate)
+            wide = wide - step
+            _execution.write(
+                theta_handle, wide if theta_dtype == dtype else tf.cast(wide, theta_dtype)
+            )
             continue
         # A = step at the window's start, else A + step. Written as
         # (0 or A) + step: XLA then updates A in place (a select of two
