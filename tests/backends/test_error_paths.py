@@ -191,6 +191,14 @@ BAD_INPUT = [
         "[1, 2, 4]",
     ),
     (
+        "rematerialize mode",
+        lambda: ka.rematerialize(
+            keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), "ful"
+        ),
+        "`mode`",
+        "mode='ful'",
+    ),
+    (
         "scale_hyperparameters kappa",
         lambda: ka.scale_hyperparameters(0, "linear", 1e-3),
         "`kappa`",
