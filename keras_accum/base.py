@@ -288,10 +288,12 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
                 under a strategy, see the module docstring).
             trainable_variables: the variables; required on the first call.
             weight: optional number of items (or tokens) in the global
-                micro-batch these gradients average over, a number > 0 or a
-                scalar tensor. Only `GradientAccumulation` uses it (the window
-                mean is then weighted by item counts, exact for unequal
-                micro-batches); the Adam variants refuse it.
+                micro-batch these gradients average over, a number >= 0 or a
+                scalar tensor (0: a micro-batch that adds nothing to the
+                window's mean, still counted as a micro-step). Only
+                `GradientAccumulation` uses it (the window mean is then
+                weighted by item counts, exact for unequal micro-batches);
+                the Adam variants refuse it.
         """
         self._drive(*self._checked_pairs(grads, trainable_variables, weight))
 

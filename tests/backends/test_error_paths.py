@@ -219,10 +219,24 @@ def test_bad_input_is_refused_in_one_line_naming_the_argument(call, argument, ec
     assert echoed in message, message
 
 
-BAD_WEIGHTS = [0, -2.0, float("nan"), True, np.ones(2, "float32"), "3"]
+# 0 is a weight (a micro-batch whose items all weigh zero: test_weight_zero.py).
+BAD_WEIGHTS = [
+    -2.0,
+    -1,
+    np.float32(-0.5),
+    float("nan"),
+    float("inf"),
+    True,
+    np.ones(2, "float32"),
+    np.array([1.0]),
+    "3",
+    keras.ops.convert_to_tensor(-1.0),
+    keras.ops.convert_to_tensor(float("nan")),
+    keras.ops.convert_to_tensor([1.0, 2.0]),
+]
 
 
-@pytest.mark.parametrize("weight", BAD_WEIGHTS, ids=[repr(w) for w in BAD_WEIGHTS])
+@pytest.mark.parametrize("weight", BAD_WEIGHTS, ids=[repr(w).splitlines()[0] for w in BAD_WEIGHTS])
 def test_bad_weight_is_refused_and_changes_nothing(weight):
     """A bad `weight` is refused before anything is written: the variables,
     the counters and the window stay as they were."""
@@ -233,6 +247,7 @@ def test_bad_weight_is_refused_and_changes_nothing(weight):
     with pytest.raises(ValueError, match=r"`weight` must be .*Received: weight=") as caught:
         optimizer.apply([keras.ops.ones((2,))], [variable], weight=weight)
     assert "\n" not in str(caught.value)
+    assert str(caught.value).endswith(f"Received: weight={weight!r}"), caught.value
     after = [keras.ops.convert_to_numpy(v) for v in optimizer.variables + [variable]]
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
