@@ -176,6 +176,9 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
         # `model.fit` builds the optimizer before its first `apply`: a
         # strategy mix-up must be named here, before TensorFlow fails on it.
         self._check_strategy()
+        # And a schedule's micro-batch, before anything is created (under
+        # JAX also before `fit` moves the variables into its state).
+        schedules.check_trained_size(self.steps)
         # What a saved, never-built instance holds (see `load_own_variables`).
         self._unbuilt_count = len(self.variables)
         super().build(var_list)
@@ -319,6 +322,7 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
         elif weight is None:  # `weigh_micro_batches` under model.fit
             weight = self._default_weight()
         weight = 1.0 if weight is None else weighing.check_weight(weight)
+        schedules.check_trained_size(self.steps)  # under `fit`: boundaries where written
         self._check_strategy()
         if not self.built:
             with keras.name_scope(self.name, caller=self):

@@ -142,6 +142,14 @@ def test_import_chooses_no_backend(tmp_path):
 # (case, call, the argument named, the value echoed): each is refused in ONE
 # line that names the argument and echoes what was received, on every backend.
 
+
+def fit_with_another_batch_size():
+    steps = ka.PiecewiseSteps([32], [1, 4], unit="examples", micro_batch_size=4)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=ka.InvariantAdam(steps=steps), loss="mse")
+    model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=8, verbose=0)
+
+
 BAD_INPUT = [
     ("steps 0", lambda: ka.InvariantAdam(steps=0), "`steps`", "steps=0"),
     ("steps str", lambda: ka.UpdateAccumulationAdam(steps="4"), "`steps`", "steps='4'"),
@@ -197,6 +205,12 @@ BAD_INPUT = [
         ),
         "`mode`",
         "mode='ful'",
+    ),
+    (
+        "PiecewiseSteps in examples, fit with another batch_size",
+        lambda: fit_with_another_batch_size(),
+        "`micro_batch_size`",
+        "micro_batch_size=4, batch_size=8",
     ),
     (
         "scale_hyperparameters kappa",
