@@ -105,6 +105,14 @@ def release_fit(context):
         model.train_function = None
 
 
+def loss_tracker(model):
+    """The `keras.metrics.Mean` behind `fit`'s "loss" log: each step adds
+    loss x batch size to its `total` and the batch size (examples) to its
+    `count`; `fit` resets it at each epoch's start. Checked: Keras 3.15.1
+    (the TensorFlow, JAX and PyTorch trainers' `train_step`)."""
+    return getattr(model, "_loss_tracker", None)
+
+
 # -- optimizers -----------------------------------------------------------------
 
 
