@@ -178,7 +178,8 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
         self._check_strategy()
         # And a schedule's micro-batch, before anything is created (under
         # JAX also before `fit` moves the variables into its state).
-        schedules.check_trained_size(self.steps)
+        if isinstance(self.steps, StepsSchedule):
+            schedules.check_trained_size(self.steps)
         # What a saved, never-built instance holds (see `load_own_variables`).
         self._unbuilt_count = len(self.variables)
         super().build(var_list)
@@ -322,7 +323,8 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
         elif weight is None:  # `weigh_micro_batches` under model.fit
             weight = self._default_weight()
         weight = 1.0 if weight is None else weighing.check_weight(weight)
-        schedules.check_trained_size(self.steps)  # under `fit`: boundaries where written
+        if isinstance(self.steps, StepsSchedule):  # under `fit`: boundaries where written
+            schedules.check_trained_size(self.steps)
         self._check_strategy()
         if not self.built:
             with keras.name_scope(self.name, caller=self):
