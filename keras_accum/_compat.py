@@ -76,15 +76,14 @@ def fit_context():
 
 
 def fit_batch_size(context):
-    """The examples of each batch the `fit` of `fit_context()` trains: its
-    `batch_size` (32 by default for arrays) or a dataset's static batch
-    (the data adapter's `batch_size`); None when its data does not say."""
+    """The examples of each batch the `fit` of `fit_context()` trains (its
+    data adapter's `batch_size`: `fit`'s, 32 by default for arrays, or a
+    dataset's static batch); None when its data does not say."""
     adapter = getattr(context[1].get("epoch_iterator"), "data_adapter", None)
     try:
-        size = getattr(adapter, "batch_size", None)
+        return None if getattr(adapter, "batch_size", None) is None else int(adapter.batch_size)
     except NotImplementedError:  # an adapter that cannot tell
-        size = None
-    return None if size is None else int(size)
+        return None
 
 
 def release_fit(context):
@@ -97,9 +96,8 @@ def release_fit(context):
     traces a new one. Checked: Keras 3.15.1."""
     model, local = context
     if hasattr(model, "jax_state_sync") and local.get("state") is not None:
-        names = ("trainable_variables", "non_trainable_variables")
-        names += ("optimizer_variables", "metrics_variables")
-        model._jax_state = dict(zip(names, local["state"]))
+        kinds = ("trainable", "non_trainable", "optimizer", "metrics")
+        model._jax_state = {f"{k}_variables": v for k, v in zip(kinds, local["state"])}
         model._jax_state_synced = False
     if hasattr(model, "train_function"):  # Keras traces it again where needed
         model.train_function = None
