@@ -112,3 +112,34 @@ def test_a_keras_optimizer_is_refused_in_one_line():
         model.fit(X, Y, batch_size=MICRO, callbacks=[ka.AccumulationLogger()], verbose=0)
     assert "\n" not in str(caught.value)
     assert str(caught.value).endswith("Received: optimizer=SGD")
+
+
+def test_reused_across_fits_with_an_appending_csv_logger(tmp_path):
+    """Ported from Keras's `csv_logger_test.test_CSVLogger` (cases 2 and 3:
+    a tab-separated file appended to, the callback objects reused by a
+    second `fit`, validation data): one header, every row as wide, and the
+    counts go on across the two runs (10 examples an epoch in batches of
+    4, 4 and 2: one window of 3)."""
+    path = str(tmp_path / "log.tsv")
+    rng = np.random.default_rng(1337)
+    x, y = rng.random((10, 3)), rng.random((10, 1))
+    x_val, y_val = rng.random((10, 3)), rng.random((10, 1))
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, "relu"), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer=ka.InvariantAdam(steps=3), loss="mse", metrics=["mse"])
+    cbks = [ka.AccumulationLogger(), keras.callbacks.CSVLogger(path, separator="\t", append=True)]
+    for epochs in (1, 2):
+        model.fit(
+            x, y, batch_size=4, validation_data=(x_val, y_val), callbacks=cbks, epochs=epochs,
+            verbose=0,
+        )  # fmt: skip
+    with open(path) as f:
+        lines = f.readlines()
+    assert len(lines) == 4 and sum("epoch" in line for line in lines) == 1
+    assert len({line.count("\t") for line in lines}) == 1
+    with open(path) as f:
+        read = list(csv.DictReader(f, delimiter="\t"))
+    assert [float(r["examples"]) for r in read] == [10.0, 20.0, 30.0]
+    assert [float(r["updates"]) for r in read] == [1.0, 2.0, 3.0]
+    assert all(r["val_loss"] != "NA" for r in read)
