@@ -18,6 +18,9 @@ per window.
 window, to the statistics of the window's items (`convert_batch_normalization`
 swaps it in for Keras's layer).
 
+`AccumulationLogger()` puts updates, examples, the window size and the
+window's mean loss into `model.fit`'s logs (History, `CSVLogger`).
+
 `rematerialize(model, "full")` returns a model (sharing `model`'s variables)
 that recomputes its layers in the backward pass: less activation memory
 when one micro-batch does not fit.
@@ -34,6 +37,7 @@ from keras_accum import _floor  # noqa: E402
 _floor.check_keras(_keras.__version__)
 
 from keras_accum import layers  # noqa: E402
+from keras_accum.accumulation_logger import AccumulationLogger  # noqa: E402
 from keras_accum.adaptive_steps import AdaptiveSteps  # noqa: E402
 from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402
 from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
@@ -47,6 +51,7 @@ from keras_accum.weighing import weigh_micro_batches  # noqa: E402
 
 __version__ = "0.3.0"
 __all__ = [
+    "AccumulationLogger",
     "AdaptiveSteps",
     "GradientAccumulation",
     "InvariantAdam",

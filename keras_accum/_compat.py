@@ -55,6 +55,62 @@ def keras_mask(tensor):
     return get_keras_mask(tensor)
 
 
+def fit_context():
+    """The Keras `fit` that runs the `apply` (or `build`) in progress, as
+    (model, the locals of `fit`), or None outside `fit`. Found in the frames
+    of this thread or, from a replica thread of a `tf.distribute` strategy,
+    of the main thread: `apply` runs inside `fit` eagerly (PyTorch) or
+    while its step is traced (TensorFlow, JAX). Checked: Keras 3.15.1 (the
+    TensorFlow, JAX and PyTorch trainers' `fit`, with its `epoch_iterator`)."""
+    import threading
+
+    frames = [sys._getframe(1)]
+    if threading.current_thread() is not threading.main_thread():
+        frames.append(sys._current_frames().get(threading.main_thread().ident))
+    for frame in frames:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and "epoch_iterator" in frame.f_locals:
+                return frame.f_locals.get("self"), frame.f_locals
+            frame = frame.f_back
+    return None
+
+
+def fit_batch_size(context):
+    """The examples of each batch the `fit` of `fit_context()` trains (its
+    data adapter's `batch_size`: `fit`'s, 32 by default for arrays, or a
+    dataset's static batch); None when its data does not say."""
+    adapter = getattr(context[1].get("epoch_iterator"), "data_adapter", None)
+    try:
+        return None if getattr(adapter, "batch_size", None) is None else int(adapter.batch_size)
+    except NotImplementedError:  # an adapter that cannot tell
+        return None
+
+
+def release_fit(context):
+    """Before an error from inside the `fit` of `fit_context()`: leaves its
+    model usable. JAX's `fit` moves the model's variables into its state
+    and gives them back only after a first step (`jax_state_sync`): the
+    state it holds is handed back here, for its `finally` to restore.
+    TensorFlow's train function, whose first trace failed, could not
+    create variables on its next one: it is dropped, and the next `fit`
+    traces a new one. Checked: Keras 3.15.1."""
+    model, local = context
+    if hasattr(model, "jax_state_sync") and local.get("state") is not None:
+        kinds = ("trainable", "non_trainable", "optimizer", "metrics")
+        model._jax_state = {f"{k}_variables": v for k, v in zip(kinds, local["state"])}
+        model._jax_state_synced = False
+    if hasattr(model, "train_function"):  # Keras traces it again where needed
+        model.train_function = None
+
+
+def loss_tracker(model):
+    """The `keras.metrics.Mean` behind `fit`'s "loss" log: each step adds
+    loss x batch size to its `total` and the batch size (examples) to its
+    `count`; `fit` resets it at each epoch's start. Checked: Keras 3.15.1
+    (the TensorFlow, JAX and PyTorch trainers' `train_step`)."""
+    return getattr(model, "_loss_tracker", None)
+
+
 # -- optimizers -----------------------------------------------------------------
 
 

@@ -176,6 +176,10 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
         # `model.fit` builds the optimizer before its first `apply`: a
         # strategy mix-up must be named here, before TensorFlow fails on it.
         self._check_strategy()
+        # And a schedule's micro-batch, before anything is created (under
+        # JAX also before `fit` moves the variables into its state).
+        if isinstance(self.steps, StepsSchedule):
+            schedules.check_trained_size(self.steps)
         # What a saved, never-built instance holds (see `load_own_variables`).
         self._unbuilt_count = len(self.variables)
         super().build(var_list)
@@ -293,10 +297,12 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
                 under a strategy, see the module docstring).
             trainable_variables: the variables; required on the first call.
             weight: optional number of items (or tokens) in the global
-                micro-batch these gradients average over, a number > 0 or a
-                scalar tensor. Only `GradientAccumulation` uses it (the window
-                mean is then weighted by item counts, exact for unequal
-                micro-batches); the Adam variants refuse it.
+                micro-batch these gradients average over, a number >= 0 or a
+                scalar tensor (0: a micro-batch that adds nothing to the
+                window's mean, still counted as a micro-step). Only
+                `GradientAccumulation` uses it (the window mean is then
+                weighted by item counts, exact for unequal micro-batches);
+                the Adam variants refuse it.
         """
         self._drive(*self._checked_pairs(grads, trainable_variables, weight))
 
@@ -322,6 +328,8 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
         elif weight is None:  # `weigh_micro_batches` under model.fit
             weight = self._default_weight()
         weight = 1.0 if weight is None else weighing.check_weight(weight)
+        if isinstance(self.steps, StepsSchedule):  # under `fit`: boundaries where written
+            schedules.check_trained_size(self.steps)
         self._check_strategy()
         if not self.built:
             with keras.name_scope(self.name, caller=self):

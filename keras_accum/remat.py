@@ -85,9 +85,10 @@ MODES = ("none", "full", "larger_than")
 KERAS_REMAT = "3.9.0"
 
 
-def check_mode(mode: str) -> str:
-    """`mode` if it is one of `MODES`, else a one-line ValueError."""
-    return check_choice("remat", mode, MODES)
+def check_mode(mode: str, name: str = "mode") -> str:
+    """`mode` if it is one of `MODES`, else a one-line ValueError naming the
+    argument as the caller's signature spells it (`name`)."""
+    return check_choice(name, mode, MODES)
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")

@@ -26,12 +26,14 @@ not retraced when the size changes.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from keras import ops, saving
 
-from keras_accum import _backend
+from keras_accum import _backend, _compat
 from keras_accum.validation import check_choice, check_int, is_integer
 
 
@@ -87,7 +89,9 @@ class PiecewiseSteps(StepsSchedule):
     all replicas) plays that part; it must be fixed (packed or padded
     sequences): no token counter is kept. Either way the count is
     s x the per-micro-step amount, so a short last batch of an epoch counts
-    as a full one.
+    as a full one. Under `model.fit` the size is checked before anything is
+    written (`check_batch_size`): a `batch_size` other than
+    `micro_batch_size` is refused in one line naming both.
 
     A boundary b in examples switches at the first micro-step whose count
     reaches it, ceil(b / micro_batch_size) (`micro_step_boundaries`): a
@@ -227,6 +231,42 @@ class PiecewiseSteps(StepsSchedule):
         # value start + j x sign from at + (j - 1) x ramp / (n - 1), j = 1..n
         return [(at + (j - 1) * self.ramp // (n - 1), start + j * sign) for j in range(1, n + 1)]
 
+    def check_batch_size(self, batch_size: int | None) -> None:
+        """Refuses in one line a micro-batch of `batch_size` examples (over
+        all replicas, as `fit`'s `batch_size`) that is not the one the
+        boundaries were converted with: `micro_batch_size` with
+        `unit="examples"`; with `unit="tokens"`, `tokens_per_micro_batch`
+        must be a whole number of tokens per example. None (a size nobody
+        can tell) warns that nothing is checked. Micro-steps need nothing."""
+        needed = _PER_MICRO_STEP.get(self.unit)
+        if needed is None:
+            return
+        size = getattr(self, needed)
+        if batch_size is None:
+            warnings.warn(
+                f"PiecewiseSteps(unit={self.unit!r}) places its boundaries with {needed}="
+                f"{size} per micro-step, and this `fit`'s data does not tell its batch size: "
+                "it is not checked. Pass `batch_size` to `fit`, or batch the dataset with "
+                "drop_remainder=True.",
+                stacklevel=3,
+            )
+            return
+        if self.unit == "examples" and batch_size != size:
+            raise ValueError(
+                "`micro_batch_size` of PiecewiseSteps(unit='examples') must be the `batch_size` "
+                f"that `fit` trains: its boundaries are placed for micro-batches of {size} "
+                f"examples, and with {batch_size} its switches would land at {batch_size}/{size} "
+                f"times the examples written. Received: micro_batch_size={size}, "
+                f"batch_size={batch_size}"
+            )
+        if self.unit == "tokens" and size % batch_size:
+            raise ValueError(
+                "`tokens_per_micro_batch` of PiecewiseSteps(unit='tokens') must be the sequence "
+                f"length x the `batch_size` that `fit` trains: {size} tokens are no whole "
+                f"number per example in batches of {batch_size}. "
+                f"Received: tokens_per_micro_batch={size}, batch_size={batch_size}"
+            )
+
     def __call__(self, micro_step):
         step = ops.cast(micro_step, _backend.INT)
         values = ops.convert_to_tensor(self._values, _backend.INT)
@@ -269,6 +309,34 @@ def _int_list(name, values, minimum):
             f"`{name}` must be a list of integers >= {minimum}. Received: {name}={values!r}"
         )
     return [int(v) for v in values]
+
+
+# The schedules checked by each running `fit` (its epoch iterator), once each.
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_trained_size(steps: Any) -> None:
+    """Under `model.fit`, refuses in one line a schedule whose boundaries in
+    examples or tokens were converted with another micro-batch than the one
+    `fit` trains (its `batch_size`): the switches would land elsewhere than
+    written, silently. `apply` calls it before it writes anything. A `fit`
+    whose data does not tell its batch size gets a warning that the size
+    is not checked. Outside `fit` (a loop of one's own) nothing is checked:
+    the loop chose both sizes."""
+    for schedule in (steps, getattr(steps, "warmup", None)):
+        if isinstance(schedule, PiecewiseSteps) and schedule.unit != "micro_steps":
+            context = _compat.fit_context()
+            if context is None:
+                return
+            iterator = context[1].get("epoch_iterator")
+            if any(x is schedule for x in _CHECKED.get(iterator, ())):
+                continue  # this `fit` was checked (PyTorch calls `apply` each step)
+            try:
+                schedule.check_batch_size(_compat.fit_batch_size(context))
+            except ValueError:
+                _compat.release_fit(context)
+                raise
+            _CHECKED.setdefault(iterator, []).append(schedule)
 
 
 def check_steps(steps: Any) -> int | StepsSchedule:

@@ -264,23 +264,32 @@ class FitItems:
 
 
 def check_weight(weight):
-    """`apply(weight=...)` given (None means 1 there): a number > 0 or a
-    scalar tensor (its value checked when eager), or `ReplicaItems`."""
+    """`apply(weight=...)` given (None means 1 there): a finite number >= 0
+    or a scalar tensor (its value checked when eager), or `ReplicaItems`.
+
+    0 is a micro-batch whose items all weigh zero (padding only): it adds
+    nothing to the window's weighted mean and still counts as a micro-step,
+    as under `weigh_micro_batches` and as a traced weight of 0; a window
+    whose weights add up to 0 steps with a zero mean gradient (see
+    `GradientAccumulation.means`). Negative, NaN, infinite and non-scalar
+    weights are refused.
+    """
     if isinstance(weight, ReplicaItems):
         return weight
-    error = f"`weight` must be a scalar number > 0. Received: weight={weight!r}"
+    error = f"`weight` must be a finite scalar number >= 0. Received: weight={weight!r}"
     if isinstance(weight, bool):
         raise ValueError(error)
     if isinstance(weight, (int, float, np.number)):
-        return check_float("weight", weight, minimum=0.0, open_minimum=True)
+        return check_float("weight", weight, minimum=0.0)
     if isinstance(weight, np.ndarray):
         if weight.shape != ():
             raise ValueError(error)
-        return check_float("weight", float(weight), minimum=0.0, open_minimum=True)
+        return check_float("weight", float(weight), minimum=0.0)
     shape = getattr(weight, "shape", None)
     if shape is None or (shape.rank if hasattr(shape, "rank") else len(shape)) not in (0, None):
         raise ValueError(error)
     if _backend.is_concrete(weight):
-        if not float(ops.convert_to_numpy(weight)) > 0:
+        value = float(ops.convert_to_numpy(weight))
+        if not (np.isfinite(value) and value >= 0):
             raise ValueError(error)
     return weight

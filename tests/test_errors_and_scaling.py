@@ -188,12 +188,12 @@ def test_bad_hyperparameter(name, argument, value):
 
 
 BAD_APPLY = {
-    "weight_zero": dict(weight=0.0, match=r"`weight` .*Received: weight=0\.0"),
+    "weight_inf": dict(weight=float("inf"), match=r"`weight` .*Received: weight=inf"),
     "weight_negative": dict(weight=-2, match=r"`weight` .*Received: weight=-2"),
     "weight_bool": dict(weight=True, match=r"`weight` .*Received: weight=True"),
     "weight_vector": dict(weight=tf.constant([1.0, 2.0]), match=r"`weight` .*Received: weight="),
     "weight_array": dict(weight=np.ones(2), match=r"`weight` .*Received: weight=array"),
-    "weight_zero_tensor": dict(weight=tf.constant(0.0), match=r"`weight` .*Received: weight="),
+    "weight_negative_tensor": dict(weight=tf.constant(-1.0), match=r"`weight` .*Received: weight="),
     "fewer_grads": dict(grads=1, match=r"`grads` .*Received: len\(grads\)=1"),
 }
 

@@ -353,9 +353,14 @@ BAD = "`remat` must be one of 'none', 'full', 'larger_than'. Received: remat='fu
 
 
 def test_bad_mode_is_one_line():
+    # Each error names the argument as its signature spells it: `mode` in
+    # `rematerialize(model, mode)`, `remat` in the loop's and the config's.
     with pytest.raises(ValueError) as error:
         remat.rematerialize(cnn(), "ful")
-    assert str(error.value) == BAD
+    assert str(error.value) == BAD.replace("remat", "mode")
+    with pytest.raises(ValueError) as error:
+        remat.rematerialize(cnn(), mode="ful")
+    assert str(error.value) == BAD.replace("remat", "mode")
     with pytest.raises(ValueError) as error:
         training.Trainer(cnn(), ka.InvariantAdam(steps=2), LOSS, remat="ful")
     assert str(error.value) == BAD

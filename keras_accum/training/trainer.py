@@ -141,7 +141,7 @@ class Trainer:
                 f"Received: last_batch={last_batch!r}"
             )
         self.last_batch = last_batch
-        remat_lib.check_mode(remat)
+        remat_lib.check_mode(remat, "remat")
         checks.check_scope(self.strategy, model, optimizer)
         self.model, self.optimizer = model, optimizer
         # Its keras_accum BatchNormalization layers follow this optimizer's

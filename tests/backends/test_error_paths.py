@@ -142,6 +142,14 @@ def test_import_chooses_no_backend(tmp_path):
 # (case, call, the argument named, the value echoed): each is refused in ONE
 # line that names the argument and echoes what was received, on every backend.
 
+
+def fit_with_another_batch_size():
+    steps = ka.PiecewiseSteps([32], [1, 4], unit="examples", micro_batch_size=4)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=ka.InvariantAdam(steps=steps), loss="mse")
+    model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=8, verbose=0)
+
+
 BAD_INPUT = [
     ("steps 0", lambda: ka.InvariantAdam(steps=0), "`steps`", "steps=0"),
     ("steps str", lambda: ka.UpdateAccumulationAdam(steps="4"), "`steps`", "steps='4'"),
@@ -191,6 +199,20 @@ BAD_INPUT = [
         "[1, 2, 4]",
     ),
     (
+        "rematerialize mode",
+        lambda: ka.rematerialize(
+            keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), "ful"
+        ),
+        "`mode`",
+        "mode='ful'",
+    ),
+    (
+        "PiecewiseSteps in examples, fit with another batch_size",
+        lambda: fit_with_another_batch_size(),
+        "`micro_batch_size`",
+        "micro_batch_size=4, batch_size=8",
+    ),
+    (
         "scale_hyperparameters kappa",
         lambda: ka.scale_hyperparameters(0, "linear", 1e-3),
         "`kappa`",
@@ -211,10 +233,24 @@ def test_bad_input_is_refused_in_one_line_naming_the_argument(call, argument, ec
     assert echoed in message, message
 
 
-BAD_WEIGHTS = [0, -2.0, float("nan"), True, np.ones(2, "float32"), "3"]
+# 0 is a weight (a micro-batch whose items all weigh zero: test_weight_zero.py).
+BAD_WEIGHTS = [
+    -2.0,
+    -1,
+    np.float32(-0.5),
+    float("nan"),
+    float("inf"),
+    True,
+    np.ones(2, "float32"),
+    np.array([1.0]),
+    "3",
+    keras.ops.convert_to_tensor(-1.0),
+    keras.ops.convert_to_tensor(float("nan")),
+    keras.ops.convert_to_tensor([1.0, 2.0]),
+]
 
 
-@pytest.mark.parametrize("weight", BAD_WEIGHTS, ids=[repr(w) for w in BAD_WEIGHTS])
+@pytest.mark.parametrize("weight", BAD_WEIGHTS, ids=[repr(w).splitlines()[0] for w in BAD_WEIGHTS])
 def test_bad_weight_is_refused_and_changes_nothing(weight):
     """A bad `weight` is refused before anything is written: the variables,
     the counters and the window stay as they were."""
@@ -225,6 +261,7 @@ def test_bad_weight_is_refused_and_changes_nothing(weight):
     with pytest.raises(ValueError, match=r"`weight` must be .*Received: weight=") as caught:
         optimizer.apply([keras.ops.ones((2,))], [variable], weight=weight)
     assert "\n" not in str(caught.value)
+    assert str(caught.value).endswith(f"Received: weight={weight!r}"), caught.value
     after = [keras.ops.convert_to_numpy(v) for v in optimizer.variables + [variable]]
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
