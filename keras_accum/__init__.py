@@ -37,6 +37,7 @@ from keras_accum import layers  # noqa: E402
 from keras_accum.adaptive_steps import AdaptiveSteps  # noqa: E402
 from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402
 from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
+from keras_accum.per_device import PerDeviceGradients  # noqa: E402
 from keras_accum.remat import rematerialize  # noqa: E402
 from keras_accum.scaling import scale_hyperparameters  # noqa: E402
 from keras_accum.schedules import PiecewiseSteps  # noqa: E402
@@ -50,6 +51,7 @@ __all__ = [
     "AdaptiveSteps",
     "GradientAccumulation",
     "InvariantAdam",
+    "PerDeviceGradients",
     "PiecewiseSteps",
     "UpdateAccumulationAdam",
     "layers",

@@ -66,6 +66,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
 
     _checks_window_sums = True  # "skip_window": the window's sums may be checked at its end
     _steps_inner = True  # the inner optimizer counts, averages and constrains
+    _per_device_sums = True  # may keep each device's sums (`PerDeviceGradients`)
     takes_weights = True
 
     def __init__(
@@ -102,6 +103,9 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         super().__init__(learning_rate=0.0, steps=steps, nonfinite=nonfinite, name=name)
         self.inner_optimizer = optimizer
         self._fit_items = None  # `weigh_micro_batches`: see `fit_items`
+        # Set by a `PerDeviceGradients` model's compile (JAX): the window's
+        # sums then hold one row per device, reduced at the window's end.
+        self._device_route = None
 
     def fit_items(self) -> weighing.FitItems:
         """The replica-local item count `weigh_micro_batches` writes under
@@ -120,8 +124,11 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         if self.built:
             return
         super().build(var_list)
+        route = self._device_route
         self._accumulators = [
             self.add_local_variable(v.shape, "float32", "accumulator", reference=v)
+            if route is None
+            else route.add_variable(self, v, "accumulator")
             for v in var_list
         ]
         self._weight = self.add_local_variable((), "float32", "weight")
@@ -244,7 +251,13 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
 
     def _update(self, variables, keep):
         sums = [ops.convert_to_tensor(a) for a in self._accumulators_of(variables)]
-        means = self.means(sums, ops.convert_to_tensor(self._weight))
+        weight = ops.convert_to_tensor(self._weight)
+        route = self._device_route
+        if route is not None:
+            # Each device's sums: reduced over the devices where the inner
+            # optimizer steps (inside JAX's window-end `lax.cond`), once.
+            return self._step_inner(lambda: self.means(route.total(sums), weight), variables, keep)
+        means = self.means(sums, weight)
         # The driver's: a branch, or (traced JAX) the values its `lax.cond` takes.
         return self._step_inner(means, variables, keep)
 

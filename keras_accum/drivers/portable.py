@@ -70,9 +70,11 @@ class GradientAccumulationForm:
     `lax.cond` of `stateless_apply` (JAX)."""
 
     def _step_inner(self, means, variables, keep):
+        # `means` may be a function (`PerDeviceGradients`: each device's
+        # sums, reduced only where the inner optimizer steps).
         if isinstance(keep, bool) or _backend.is_concrete(keep):
             if bool(keep):  # PyTorch, or JAX run eagerly
-                self.inner_optimizer.apply(means, variables)
+                self.inner_optimizer.apply(means() if callable(means) else means, variables)
             return None
         return means, keep  # traced: stepped in `stateless_apply`'s lax.cond
 
@@ -264,8 +266,9 @@ def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variab
     inner_values = list(optimizer_variables[len(own) :])
     trainable_variables = list(trainable_variables)
 
-    def step():
-        return inner.stateless_apply(inner_values, means, trainable_variables)
+    def step():  # the reduction of per-device sums, if any, in this branch
+        window_means = means() if callable(means) else means
+        return inner.stateless_apply(inner_values, window_means, trainable_variables)
 
     def hold():
         return trainable_variables, inner_values

@@ -1,0 +1,209 @@
+"""Each device's own gradient under JAX's `keras.distribution`, summed once
+per window (`PerDeviceGradients`).
+
+Keras's JAX `train_step` differentiates the loss of the whole sharded
+batch inside one `jit`, so XLA all-reduces every gradient on every step
+(keras/src/backend/jax/trainer.py, Keras 3.15.1: `train_step`, line 131):
+under `GradientAccumulation` a window of `steps` micro-batches moves
+`steps` times what its one update needs, and `InvariantAdam` squares the
+devices' mean gradient. `PerDeviceGradients` is a model mixin whose
+`train_step` differentiates each device's shard on its device
+(`jax.shard_map`, the parameters cast to varying over the batch axis) and
+hands the optimizer the devices' gradients as one [devices, *shape] array
+per variable, sharded over the batch axis. The optimizer keeps each
+device's window sums in variables of that shape and layout (the fold is
+local) and reduces them over the devices once, inside the window's end
+(`lax.cond`): what `tf.distribute` gives the TensorFlow driver.
+
+Only a batch is split: every other axis of the mesh must have one device.
+The forward pass runs on each device's shard, as under `MirroredStrategy`:
+a `BatchNormalization` normalizes with its device's statistics (its moving
+statistics are averaged over the devices), and the loss, the compiled
+loss's trackers and the metrics see the whole batch.
+"""
+
+import warnings
+
+import keras
+from keras import ops
+
+from keras_accum import _backend, _compat
+
+__all__ = ["PerDeviceGradients"]
+
+
+class PerDeviceGradients:
+    """Model mixin: under JAX's `keras.distribution.DataParallel`,
+    `GradientAccumulation` and `InvariantAdam` get each device's gradient
+    and reduce over the devices once per window.
+
+    The one line (the distribution set before the model is built)::
+
+        class Net(keras_accum.PerDeviceGradients, keras.Sequential): pass
+
+    then ``Net([...])`` where ``keras.Sequential([...])`` was (or
+    ``Net(inputs, outputs)`` for a functional model; a subclassed model
+    lists the mixin first among its bases). `compile` and `fit` are
+    Keras's. Without a distribution that splits the batch, under another
+    backend, or with another optimizer (`UpdateAccumulationAdam` needs the
+    reduced gradient on every micro-batch), `train_step` is Keras's.
+    """
+
+    def compile(self, *args, **kwargs):
+        """Keras's `compile`, then the per-device route for its optimizer
+        (see the class)."""
+        super().compile(*args, **kwargs)
+        if _backend.BACKEND == "jax" and getattr(self, "optimizer", None) is not None:
+            route = DeviceRoute.of_distribution()
+            if route is not None and route.takes(self.optimizer):
+                self.optimizer._device_route = route
+
+    def train_step(self, *args):
+        """Keras's, or under the per-device route (JAX) each device's
+        gradient, with `args` Keras's `(state, data)`."""
+        route = getattr(getattr(self, "optimizer", None), "_device_route", None)
+        if route is None:
+            return super().train_step(*args)
+        return route.train_step(self, *args)
+
+
+class DeviceRoute:
+    """The batch axis of a data-parallel mesh: how many devices, the
+    window variables laid out over them, their reduction, and the train
+    step that differentiates each device's shard."""
+
+    def __init__(self, mesh: keras.distribution.DeviceMesh, axis: str, devices: int):
+        self.mesh, self.axis, self.devices = mesh, axis, devices
+        self._rows = set()  # ids of the variables made here (one row per device)
+
+    @classmethod
+    def of_distribution(cls) -> "DeviceRoute | None":
+        """The route of the `keras.distribution` in scope: None without one
+        or with one device on the batch axis; None and a warning where
+        another axis of the mesh has several devices."""
+        distribution = keras.distribution.distribution()
+        if distribution is None:
+            return None
+        mesh = distribution.device_mesh
+        axis = getattr(distribution, "batch_dim_name", None)
+        names = list(mesh.axis_names)
+        if axis not in names:
+            return None
+        sizes = dict(zip(names, mesh.shape))
+        if int(sizes[axis]) < 2:
+            return None
+        if any(int(size) > 1 for name, size in sizes.items() if name != axis):
+            warnings.warn(
+                "PerDeviceGradients differentiates each device's shard along the batch "
+                f"axis only; the mesh {sizes} splits another axis too, so Keras's "
+                "train_step (one gradient all-reduce per step) runs instead.",
+                stacklevel=3,
+            )
+            return None
+        return cls(mesh, axis, int(sizes[axis]))
+
+    def takes(self, optimizer: keras.optimizers.Optimizer) -> bool:
+        """Whether `optimizer` keeps per-device window sums (not built yet:
+        its window variables are made when it is)."""
+        if not getattr(optimizer, "_per_device_sums", False):
+            return False
+        if optimizer.built:
+            raise ValueError(
+                f"{type(optimizer).__name__} was built before this model's compile: "
+                "PerDeviceGradients needs a fresh optimizer, whose window sums it "
+                f"lays out over the devices. Received: optimizer={optimizer!r}"
+            )
+        return True
+
+    def add_variable(self, optimizer, reference, name):
+        """A float32 window variable of shape [devices, *reference.shape],
+        one row per device, sharded over the batch axis."""
+        shape = (self.devices, *reference.shape)
+        layout = keras.distribution.TensorLayout(
+            (self.axis,) + (None,) * len(reference.shape), self.mesh
+        )
+        prefix = getattr(reference, "path", reference.name)
+        name = f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
+        variable = optimizer.add_variable(shape, "zeros", "float32", layout=layout, name=name)
+        self._rows.add(id(variable))
+        return variable
+
+    @staticmethod
+    def total(values):
+        """Each [devices, *shape] value summed over its devices: the one
+        reduction of a window (in the window's end branch)."""
+        return [ops.sum(ops.convert_to_tensor(v), axis=0) for v in values]
+
+    def train_step(self, model, state, data):
+        """Keras's JAX `train_step` with the gradient of each device's shard:
+        the optimizer gets [devices, *shape] gradients, each row its
+        device's share of the mean (its gradient / devices)."""
+        import jax
+        from jax.sharding import PartitionSpec
+
+        trainable, non_trainable, optimizer_values, metrics_values = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        axis, devices = self.axis, self.devices
+        split, whole = PartitionSpec(axis), PartitionSpec()
+
+        def varying(value):
+            return axis in getattr(jax.typeof(value), "vma", ())
+
+        def agreed(value):  # a non-trainable value the devices moved apart
+            if not varying(value):
+                return value
+            if jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+                return jax.lax.pmean(value, axis)
+            return jax.lax.pmax(value, axis)  # counters (seed generators)
+
+        def local(trainable, non_trainable, metrics_values, optimizer_values, x, y, sample_weight):
+            optimizer_values = [
+                jax.numpy.zeros(shape) if value is None else value
+                for shape, value in zip(shapes, optimizer_values)
+            ]
+            # Varying over the batch axis: else the gradient of a replicated
+            # input comes back summed over the devices.
+            trainable = [jax.lax.pcast(p, axis, to="varying") for p in trainable]
+            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+            (_, aux), grads = grad_fn(
+                trainable,
+                non_trainable,
+                metrics_values,
+                x,
+                y,
+                sample_weight,
+                training=True,
+                optimizer_variables=optimizer_values,
+            )
+            loss, y_pred, new_non_trainable, new_metrics = aux
+            # The compiled loss's trackers add sums: each device's addition.
+            new_metrics = [
+                old + jax.lax.psum(new - old, axis) if varying(new) else new
+                for old, new in zip(metrics_values, new_metrics)
+            ]
+            return (
+                [(g / devices)[None] for g in grads],
+                jax.lax.pmean(loss, axis),
+                y_pred,
+                [agreed(v) for v in new_non_trainable],
+                new_metrics,
+            )
+
+        # The per-device rows stay out (only `scale_loss` reads the
+        # optimizer's values there, in a scope that wants whole shapes).
+        rows = [id(v) in self._rows for v in model.optimizer.variables]
+        shapes = [v.shape for v in model.optimizer.variables]
+        optimizer_inputs = [None if row else v for row, v in zip(rows, optimizer_values)]
+        grads, loss, y_pred, non_trainable, metrics_values = jax.shard_map(
+            local,
+            mesh=self.mesh.backend_mesh,
+            in_specs=(whole, whole, whole, whole, split, split, split),
+            out_specs=(split, whole, split, whole, whole),
+        )(trainable, non_trainable, metrics_values, optimizer_inputs, x, y, sample_weight)
+        trainable, optimizer_values = model.optimizer.stateless_apply(
+            optimizer_values, grads, trainable
+        )
+        logs, metrics_values = _compat.update_jax_metrics(
+            model, metrics_values, loss, x, y, y_pred, sample_weight
+        )
+        return logs, (trainable, non_trainable, optimizer_values, metrics_values)
