@@ -136,6 +136,8 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         name: optimizer name.
     """
 
+    _per_device_sums = True  # may keep each device's parts of m, v (`PerDeviceGradients`)
+
     def __init__(
         self,
         *args: Any,
@@ -150,6 +152,10 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
                 "'raise'. Received: nonfinite='skip_window'"
             )
         super().__init__(*args, name=name, **kwargs)
+        # Set by a `PerDeviceGradients` model's compile (JAX): m and v then
+        # hold one part per device (their sum is the moment), each device's
+        # gradient a micro-batch (kappa = steps x devices).
+        self._device_route = None
         # One replica until `build` knows the strategy's replica count.
         self.scaling_rule = scaling.check_scaling_rule(
             scaling_rule, self.beta_1, self.beta_2, schedules.steps_range(self.steps)[1]
@@ -160,13 +166,13 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
             return
         super().build(var_list)
         self._momentums, self._velocities = [], []
+        route = self._device_route
         for var in var_list:
-            self._momentums.append(
-                self.add_local_variable(var.shape, var.dtype, "momentum", reference=var)
-            )
-            self._velocities.append(
-                self.add_local_variable(var.shape, var.dtype, "velocity", reference=var)
-            )
+            for slots, name in ((self._momentums, "momentum"), (self._velocities, "velocity")):
+                if route is None:
+                    slots.append(self.add_local_variable(var.shape, var.dtype, name, reference=var))
+                else:
+                    slots.append(route.add_variable(self, var, name, var.dtype))
         self._build_scaling()
         self._restore_deferred_state()
 
@@ -301,6 +307,11 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
 
     # -- how JAX and PyTorch write it (`keras_accum.drivers.portable`) ---------
 
+    def _devices(self):
+        """Devices whose gradients are micro-batches of their own in this
+        optimizer's m and v (`PerDeviceGradients`), else 1."""
+        return 1 if self._device_route is None else self._device_route.devices
+
     def _fold(self, grads, variables, weight, start, ok):
         indices = [_compat.variable_index(self, v) for v in variables]
         momentums = [self._momentums[i] for i in indices]
@@ -308,28 +319,35 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         # (A skipped micro-batch comes as zeros: a zero gradient in the window.)
         grads = [ops.cast(g, m.dtype) for g, m in zip(grads, momentums)]
         grads = self._clip_micro_batch(grads, 1)
-        steps, rate_1, rate_2 = self._window_factors(1)
-        if self._single_step():  # Keras Adam's form and rounding
+        # Per device (`PerDeviceGradients`): each row of `grads` is its
+        # device's share g_d / devices, folded into that device's part.
+        devices = self._devices()
+        steps, rate_1, rate_2 = self._window_factors(devices)
+        if self._single_step() and devices == 1:  # Keras Adam's form and rounding
             kernels.adam_moments(momentums, velocities, grads, rate_1, rate_2)
             return
         first = kernels.flag(start, "float32")
-        keep, take = self.fold_factors(first, steps, 1.0 / steps, rate_1, rate_2)
+        keep, take = self.fold_factors(first, steps, devices / steps, rate_1, rate_2)
         kernels.decayed_moments(momentums, velocities, grads, keep, take, self.fold)
 
     def _update(self, variables, keep):
-        learning_rate, correction = self.rate_and_correction(1, keep)
+        learning_rate, correction = self.rate_and_correction(self._devices(), keep)
         indices = [_compat.variable_index(self, var) for var in variables]
         alphas = {}  # alpha_t, once per dtype
         for var in variables:
             if var.dtype not in alphas:
                 alphas[var.dtype] = self.alpha(learning_rate, correction, var.dtype)
         # theta = decayed(theta) - alpha m / (sqrt(v) + epsilon)
-        steps = kernels.adam_steps(
+        moments = (
             [self._momentums[i] for i in indices],
             [self._velocities[i] for i in indices],
             [alphas[var.dtype] for var in variables],
             self.epsilon,
         )
+        if self._device_route is None:
+            steps = kernels.adam_steps(*moments)
+        else:  # the devices' parts summed where the window ends, only there
+            steps = self._device_route.window_steps(keep, *moments)
         decays = [self._decay_of(var, learning_rate) for var in variables]
         kernels.subtract(variables, steps, keep, decays)
 

@@ -27,7 +27,7 @@ import warnings
 import keras
 from keras import ops
 
-from keras_accum import _backend, _compat
+from keras_accum import _backend, _compat, kernels
 
 __all__ = ["PerDeviceGradients"]
 
@@ -107,6 +107,16 @@ class DeviceRoute:
         its window variables are made when it is)."""
         if not getattr(optimizer, "_per_device_sums", False):
             return False
+        if any(
+            getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")
+        ):
+            if not getattr(optimizer, "_steps_inner", False):  # GA's inner optimizer clips the mean
+                raise ValueError(
+                    f"{type(optimizer).__name__} clips each micro-batch's gradient; under "
+                    "PerDeviceGradients each device's gradient is one, which it does not "
+                    "clip yet. Drop clipnorm/clipvalue/global_clipnorm, or use a model "
+                    f"without PerDeviceGradients. Received: optimizer={optimizer!r}"
+                )
         if optimizer.built:
             raise ValueError(
                 f"{type(optimizer).__name__} was built before this model's compile: "
@@ -115,16 +125,16 @@ class DeviceRoute:
             )
         return True
 
-    def add_variable(self, optimizer, reference, name):
-        """A float32 window variable of shape [devices, *reference.shape],
-        one row per device, sharded over the batch axis."""
+    def add_variable(self, optimizer, reference, name, dtype="float32"):
+        """A window variable of shape [devices, *reference.shape], one row
+        per device, sharded over the batch axis."""
         shape = (self.devices, *reference.shape)
         layout = keras.distribution.TensorLayout(
             (self.axis,) + (None,) * len(reference.shape), self.mesh
         )
         prefix = getattr(reference, "path", reference.name)
         name = f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
-        variable = optimizer.add_variable(shape, "zeros", "float32", layout=layout, name=name)
+        variable = optimizer.add_variable(shape, "zeros", dtype, layout=layout, name=name)
         self._rows.add(id(variable))
         return variable
 
@@ -133,6 +143,20 @@ class DeviceRoute:
         """Each [devices, *shape] value summed over its devices: the one
         reduction of a window (in the window's end branch)."""
         return [ops.sum(ops.convert_to_tensor(v), axis=0) for v in values]
+
+    def window_steps(self, keep, momentums, velocities, alphas, epsilon):
+        """`InvariantAdam`'s [alpha m / (sqrt(v) + epsilon)] with m and v the
+        sums of the devices' parts: computed, and the parts reduced, only
+        where `keep` holds (a `cond`); zeros elsewhere."""
+
+        def reduced():
+            m, v = self.total(momentums), self.total(velocities)
+            return kernels.adam_steps(m, v, alphas, epsilon)
+
+        def held():
+            return [ops.zeros(m.shape[1:], m.dtype) for m in momentums]
+
+        return ops.cond(keep, reduced, held)
 
     def train_step(self, model, state, data):
         """Keras's JAX `train_step` with the gradient of each device's shard:

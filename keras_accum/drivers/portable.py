@@ -99,7 +99,8 @@ class InvariantAdamForm:
 
     def build(self, var_list):
         super().build(var_list)
-        warn_data_parallel(self)
+        if self._device_route is None:  # `PerDeviceGradients`: kappa = steps x devices
+            warn_data_parallel(self)
 
 
 class UpdateAccumulationAdamForm:
@@ -228,8 +229,9 @@ def end_window(optimizer, variables, boundary):
     result = optimizer._update(variables, keep)
     if optimizer._steps_inner:
         return result  # the inner optimizer counts, averages and constrains
-    if optimizer.use_ema:
-        kernels.update_ema(optimizer, keep)
+    if optimizer.use_ema:  # kappa counts each device's micro-batch (`PerDeviceGradients`)
+        route = getattr(optimizer, "_device_route", None)
+        kernels.update_ema(optimizer, keep, 1 if route is None else route.devices)
     for variable in variables:
         if variable.constraint is not None:
             variable.assign(masked(keep, variable.constraint(variable), variable))
