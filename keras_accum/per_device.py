@@ -165,13 +165,21 @@ class DeviceRoute:
         import jax
         from jax.sharding import PartitionSpec
 
+        if getattr(model.optimizer, "_fit_items", None) is not None:
+            raise ValueError(
+                "weigh_micro_batches counts each device's items, which PerDeviceGradients "
+                "does not hand the optimizer yet: use one or the other."
+            )
+
         trainable, non_trainable, optimizer_values, metrics_values = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         axis, devices = self.axis, self.devices
         split, whole = PartitionSpec(axis), PartitionSpec()
 
-        def varying(value):
-            return axis in getattr(jax.typeof(value), "vma", ())
+        def varying(value):  # jax 0.10: manual_axis_type.varying; before, vma
+            aval = jax.typeof(value)
+            manual = getattr(aval, "manual_axis_type", None)
+            return axis in (manual.varying if manual is not None else getattr(aval, "vma", ()))
 
         def agreed(value):  # a non-trainable value the devices moved apart
             if not varying(value):
@@ -180,7 +188,18 @@ class DeviceRoute:
                 return jax.lax.pmean(value, axis)
             return jax.lax.pmax(value, axis)  # counters (seed generators)
 
+        # A seed generator's state is (seed, count): each device draws from
+        # its own seed (else every device would drop the same units), and
+        # the count moves as on one device.
+        seeds = [v.name == "seed_generator_state" for v in model.non_trainable_variables]
+
         def local(trainable, non_trainable, metrics_values, optimizer_values, x, y, sample_weight):
+            shift = jax.lax.axis_index(axis) * _SEED_STRIDE
+            given = non_trainable
+            non_trainable = [
+                v + ops.cast(ops.stack([shift, 0]), v.dtype) if seed else v
+                for seed, v in zip(seeds, non_trainable)
+            ]
             optimizer_values = [
                 jax.numpy.zeros(shape) if value is None else value
                 for shape, value in zip(shapes, optimizer_values)
@@ -200,6 +219,10 @@ class DeviceRoute:
                 optimizer_variables=optimizer_values,
             )
             loss, y_pred, new_non_trainable, new_metrics = aux
+            new_non_trainable = [
+                old + (new - shifted) if seed else new
+                for seed, old, shifted, new in zip(seeds, given, non_trainable, new_non_trainable)
+            ]
             # The compiled loss's trackers add sums: each device's addition.
             new_metrics = [
                 old + jax.lax.psum(new - old, axis) if varying(new) else new
@@ -231,3 +254,7 @@ class DeviceRoute:
             model, metrics_values, loss, x, y, y_pred, sample_weight
         )
         return logs, (trainable, non_trainable, optimizer_values, metrics_values)
+
+
+# Apart enough that two devices' seeds never meet (a seed is a uint32 or int).
+_SEED_STRIDE = 1_000_003

@@ -211,6 +211,21 @@ runs = {
     "ia_route": fit(True, True, lambda: ka.InvariantAdam(0.01, steps=2), 16, hidden=False),
     "ia_one_device": fit(False, False, lambda: ka.InvariantAdam(0.01, steps=4), 8, hidden=False),
 }
+# Dropout: each device draws its own mask, the seed's count moves as on
+# one device (one draw per step); the accumulator's rows are the devices'.
+keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+keras.utils.set_random_seed(0)
+model = Net([keras.Input((32,)), keras.layers.Dropout(0.5), keras.layers.Dense(1, use_bias=False)])
+optimizer = ka.GradientAccumulation(keras.optimizers.SGD(0.0), steps=4)
+model.compile(optimizer=optimizer, loss="mae")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # ends inside a window, on purpose
+    model.fit(np.ones((12, 32), "float32"), np.full((12, 1), -9.0, "float32"),
+              batch_size=4, shuffle=False, verbose=0)
+runs["dropout"] = dict(
+    rows=[np.asarray(v.value).tolist() for v in optimizer.variables if "accumulator" in v.name],
+    seed=[np.asarray(v.value).tolist() for v in model.non_trainable_variables
+          if v.name == "seed_generator_state"])
 print("RESULT", json.dumps(runs))
 """
 
@@ -264,3 +279,11 @@ def test_invariant_adam_per_device_counts_each_device_as_a_micro_batch(runs):
             params = reference.apply(params, _linear_gradient(params, x[half], y[half]))
     assert _max_difference(route["weights"], params) < 1e-5
     assert _max_difference(route["weights"], runs["ia_one_device"]["weights"]) < 1e-6
+
+
+def test_each_device_draws_its_own_dropout_mask(runs):
+    (rows,) = runs["dropout"]["rows"]  # [devices, 32, 1]: 3 micro-batches of 2 items each
+    rows = np.asarray(rows)[:, :, 0]
+    assert rows.shape == (2, 32) and np.any(rows[0] != rows[1])
+    (seed,) = runs["dropout"]["seed"]
+    assert seed[1] == 3  # one draw per step, as on one device
