@@ -58,6 +58,14 @@ class PerDeviceGradients:
             if route is not None and route.takes(self.optimizer):
                 self.optimizer._device_route = route
 
+    def compile_from_config(self, config):
+        """What Keras's does (`load_model` compiles the model again), through
+        this class's `compile`: the optimizer is built with its per-device
+        sums before its saved state is loaded into them."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def train_step(self, *args):
         """Keras's, or under the per-device route (JAX) each device's
         gradient, with `args` Keras's `(state, data)`."""
@@ -181,6 +189,9 @@ class DeviceRoute:
             manual = getattr(aval, "manual_axis_type", None)
             return axis in (manual.varying if manual is not None else getattr(aval, "vma", ()))
 
+        def to_varying(value):
+            return jax.lax.pcast(value, axis, to="varying")
+
         def agreed(value):  # a non-trainable value the devices moved apart
             if not varying(value):
                 return value
@@ -206,7 +217,7 @@ class DeviceRoute:
             ]
             # Varying over the batch axis: else the gradient of a replicated
             # input comes back summed over the devices.
-            trainable = [jax.lax.pcast(p, axis, to="varying") for p in trainable]
+            trainable = [to_varying(p) for p in trainable]
             grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
             (_, aux), grads = grad_fn(
                 trainable,
@@ -223,10 +234,11 @@ class DeviceRoute:
                 old + (new - shifted) if seed else new
                 for seed, old, shifted, new in zip(seeds, given, non_trainable, new_non_trainable)
             ]
-            # The compiled loss's trackers add sums: each device's addition.
+            # The compiled loss's trackers add sums (a loss times its items,
+            # the items): every device's addition, varying or not.
             new_metrics = [
-                old + jax.lax.psum(new - old, axis) if varying(new) else new
-                for old, new in zip(metrics_values, new_metrics)
+                old + jax.lax.psum(change if varying(change) else to_varying(change), axis)
+                for old, change in ((o, n - o) for o, n in zip(metrics_values, new_metrics))
             ]
             return (
                 [(g / devices)[None] for g in grads],
