@@ -35,6 +35,11 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
       then the only gradient communication of the window. With clipping
       configured, the window sum is reduced first so that the clip sees the
       global mean (one more reduction, still once per window).
+    * Under JAX's `keras.distribution.DataParallel`, Keras's `train_step`
+      all-reduces every gradient on every micro-batch; with the model
+      mixin `keras_accum.PerDeviceGradients` each device keeps its own
+      sums ([devices, *shape], sharded over the batch axis) and the
+      window's end reduces them once, inside its `lax.cond`.
     * Sparse gradients (`tf.IndexedSlices`, from `Embedding`) of a
       variable with 65,536 elements or more (`SPARSE_MIN_ELEMENTS` of the TensorFlow driver)
       stay sparse: each micro-batch's rows are added to S where they fall

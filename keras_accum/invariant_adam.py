@@ -49,23 +49,21 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
     per window.
 
     **JAX's `keras.distribution` (`DataParallel`, or a `ModelParallel`
-    with a batch axis of several devices): kappa = steps**, not steps x
-    devices, and the optimizer warns once. Keras's JAX `train_step`
+    with a batch axis of several devices).** Keras's JAX `train_step`
     differentiates the loss of the whole sharded batch inside one
     `jax.jit` (keras/src/backend/jax/trainer.py, Keras 3.15.1: line 131,
     `jax.value_and_grad`; line 275, `jit`), so XLA all-reduces the
     devices' gradients before `stateless_apply` (line 151) receives them:
-    each step's gradient is one micro-batch of the global batch, and no
-    public hook reaches the devices' own gradients. They would take a
-    `train_step` of one's own with `jax.shard_map` around the
-    differentiation (the parameters cast to varying over the batch axis
-    first, else their gradient comes back already summed), a second input
-    to this optimizer (the devices' mean squared gradient) and one more
-    parameter-sized all-reduce per micro-batch: 1.5x and 1.9x the time of
-    the gradient computation on 2 CPU devices for 0.79M and 3.1M
-    parameters (`scripts/jax_per_device_grads.py`, BENCHMARKS.md). Hence
-    the warning: here a micro-batch is a step's whole global batch, and
-    `scaling_rule` and `scale_hyperparameters` count kappa = steps of them.
+    with Keras's `train_step` each step's gradient is one micro-batch of
+    the global batch, kappa = steps, and the optimizer warns once. With
+    the model mixin `keras_accum.PerDeviceGradients` (one line, see
+    `keras_accum.per_device`) each device's gradient is a micro-batch, as
+    under `tf.distribute`: kappa = steps x devices, m and v are kept as
+    one part per device (their sum is the moment) and summed over the
+    devices once per window, inside the window's end (a `cond`); nothing
+    parameter-sized is communicated on the other micro-batches. There
+    Keras's clipping arguments are refused (the per-device clip is not
+    written yet), and the state saved has one row per device.
 
     Conventions:
 

@@ -18,11 +18,13 @@ local) and reduces them over the devices once, inside the window's end
 Only a batch is split: every other axis of the mesh must have one device.
 The forward pass runs on each device's shard, as under `MirroredStrategy`:
 a `BatchNormalization` normalizes with its device's statistics (its moving
-statistics are averaged over the devices), and the loss, the compiled
-loss's trackers and the metrics see the whole batch.
+statistics are averaged over the devices), each device draws its own
+dropout masks (a seed generator's count moves as on one device), and the
+loss, the compiled loss's trackers and the metrics see the whole batch.
 """
 
 import warnings
+from typing import Any
 
 import keras
 from keras import ops
@@ -49,16 +51,18 @@ class PerDeviceGradients:
     reduced gradient on every micro-batch), `train_step` is Keras's.
     """
 
-    def compile(self, *args, **kwargs):
+    def compile(self, *args: Any, **kwargs: Any) -> None:
         """Keras's `compile`, then the per-device route for its optimizer
         (see the class)."""
         super().compile(*args, **kwargs)
         if _backend.BACKEND == "jax" and getattr(self, "optimizer", None) is not None:
+            if getattr(self.optimizer, "_device_route", None) is not None:
+                return  # compiled again with the optimizer this route built
             route = DeviceRoute.of_distribution()
             if route is not None and route.takes(self.optimizer):
                 self.optimizer._device_route = route
 
-    def compile_from_config(self, config):
+    def compile_from_config(self, config: dict) -> None:
         """What Keras's does (`load_model` compiles the model again), through
         this class's `compile`: the optimizer is built with its per-device
         sums before its saved state is loaded into them."""
@@ -66,7 +70,7 @@ class PerDeviceGradients:
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
-    def train_step(self, *args):
+    def train_step(self, *args: Any) -> Any:
         """Keras's, or under the per-device route (JAX) each device's
         gradient, with `args` Keras's `(state, data)`."""
         route = getattr(getattr(self, "optimizer", None), "_device_route", None)
@@ -133,7 +137,13 @@ class DeviceRoute:
             )
         return True
 
-    def add_variable(self, optimizer, reference, name, dtype="float32"):
+    def add_variable(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        reference: keras.Variable,
+        name: str,
+        dtype: str = "float32",
+    ) -> keras.Variable:
         """A window variable of shape [devices, *reference.shape], one row
         per device, sharded over the batch axis."""
         shape = (self.devices, *reference.shape)
@@ -147,12 +157,14 @@ class DeviceRoute:
         return variable
 
     @staticmethod
-    def total(values):
+    def total(values: list) -> list:
         """Each [devices, *shape] value summed over its devices: the one
         reduction of a window (in the window's end branch)."""
         return [ops.sum(ops.convert_to_tensor(v), axis=0) for v in values]
 
-    def window_steps(self, keep, momentums, velocities, alphas, epsilon):
+    def window_steps(
+        self, keep: Any, momentums: list, velocities: list, alphas: list, epsilon: float
+    ) -> list:
         """`InvariantAdam`'s [alpha m / (sqrt(v) + epsilon)] with m and v the
         sums of the devices' parts: computed, and the parts reduced, only
         where `keep` holds (a `cond`); zeros elsewhere."""
@@ -166,7 +178,7 @@ class DeviceRoute:
 
         return ops.cond(keep, reduced, held)
 
-    def train_step(self, model, state, data):
+    def train_step(self, model: keras.Model, state: tuple, data: Any) -> tuple:
         """Keras's JAX `train_step` with the gradient of each device's shard:
         the optimizer gets [devices, *shape] gradients, each row its
         device's share of the mean (its gradient / devices)."""

@@ -305,6 +305,7 @@ def warn_data_parallel(optimizer):
         warnings.warn(
             f"{type(optimizer).__name__} under keras.distribution on {devices} devices: "
             "each step's gradient arrives averaged over them, so kappa = steps (one "
-            "micro-batch per step), not steps x devices as under tf.distribute.",
+            "micro-batch per step), not steps x devices as under tf.distribute. A model "
+            "with the mixin keras_accum.PerDeviceGradients counts steps x devices.",
             stacklevel=4,
         )
