@@ -183,7 +183,8 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
     # -- hyperparameters that follow the window size (`scaling_rule`) --------
 
     def _build_scaling(self):
-        replicas = _replicas.count_at_build(self)
+        # Each device's gradient is a micro-batch under `PerDeviceGradients`.
+        replicas = _replicas.count_at_build(self) * self._devices()
         max_kappa = schedules.steps_range(self.steps)[1] * replicas
         scaling.check_scaling_rule(self.scaling_rule, self.beta_1, self.beta_2, max_kappa)
         if self.scaling_rule is None:

@@ -211,6 +211,11 @@ runs = {
     "ia_route": fit(True, True, lambda: ka.InvariantAdam(0.01, steps=2), 16, hidden=False),
     "ia_one_device": fit(False, False, lambda: ka.InvariantAdam(0.01, steps=4), 8, hidden=False),
 }
+# kappa = steps x devices also where the hyperparameters follow it.
+scaled = dict(scaling_rule="invariant", beta_2=0.99, use_ema=True, weight_decay=0.01)
+ia = lambda steps: lambda: ka.InvariantAdam(1e-3, steps=steps, **scaled)
+runs["ia_scaled_route"] = fit(True, True, ia(2), 16)
+runs["ia_scaled_one_device"] = fit(False, False, ia(4), 8)
 # Dropout: each device draws its own mask, the seed's count moves as on
 # one device (one draw per step); the accumulator's rows are the devices'.
 keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
@@ -306,6 +311,11 @@ def test_invariant_adam_per_device_counts_each_device_as_a_micro_batch(runs):
             params = reference.apply(params, _linear_gradient(params, x[half], y[half]))
     assert _max_difference(route["weights"], params) < 1e-5
     assert _max_difference(route["weights"], runs["ia_one_device"]["weights"]) < 1e-6
+    # With scaling_rule="invariant" (lr and betas of kappa = 4), EMA and
+    # weight decay: as one device with steps=4.
+    scaled = runs["ia_scaled_route"]
+    assert scaled["route"]
+    assert _max_difference(scaled["weights"], runs["ia_scaled_one_device"]["weights"]) < 1e-6
 
 
 def test_each_device_draws_its_own_dropout_mask(runs):
