@@ -17,12 +17,15 @@ local) and reduces them over the devices once, inside the window's end
 
 Only a batch is split: every other axis of the mesh must have one device.
 The forward pass runs on each device's shard, as under `MirroredStrategy`:
-a `BatchNormalization` normalizes with its device's statistics (its moving
-statistics are averaged over the devices), each device draws its own
+a `BatchNormalization` normalizes with its device's statistics (Keras's
+layer's moving statistics are averaged over the devices;
+`keras_accum.layers.BatchNormalization` sums its window's terms over them,
+`summed_over_devices`), each device draws its own
 dropout masks (a seed generator's count moves as on one device), and the
 loss, the compiled loss's trackers and the metrics see the whole batch.
 """
 
+import contextvars
 import warnings
 from typing import Any
 
@@ -32,6 +35,34 @@ from keras import ops
 from keras_accum import _backend, _compat, kernels
 
 __all__ = ["PerDeviceGradients"]
+
+# The batch axis while `DeviceRoute.train_step` traces each device's step
+# (None elsewhere): what `summed_over_devices` sums over.
+_AXIS = contextvars.ContextVar("keras_accum_device_axis", default=None)
+
+
+def summed_over_devices(values: list) -> list:
+    """Inside `PerDeviceGradients`' per-device step, `values` summed over
+    the devices (`keras_accum.layers.BatchNormalization`'s window sums of
+    each micro-batch: the window's statistics are of all its items, as
+    under `tf.distribute`); elsewhere `values` as given."""
+    axis = _AXIS.get()
+    if axis is None:
+        return values
+    import jax
+
+    return [jax.lax.psum(_varying_over(axis, v), axis) for v in values]
+
+
+def _varying_over(axis, value):
+    """`value` typed as varying over `axis` (a psum of an invariant value
+    would not add each device's)."""
+    import jax
+
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; before, vma
+    varying = manual.varying if manual is not None else getattr(aval, "vma", ())
+    return value if axis in varying else jax.lax.pcast(value, axis, to="varying")
 
 
 class PerDeviceGradients:
@@ -196,13 +227,8 @@ class DeviceRoute:
         axis, devices = self.axis, self.devices
         split, whole = PartitionSpec(axis), PartitionSpec()
 
-        def varying(value):  # jax 0.10: manual_axis_type.varying; before, vma
-            aval = jax.typeof(value)
-            manual = getattr(aval, "manual_axis_type", None)
-            return axis in (manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-        def to_varying(value):
-            return jax.lax.pcast(value, axis, to="varying")
+        def varying(value):
+            return _varying_over(axis, value) is value
 
         def agreed(value):  # a non-trainable value the devices moved apart
             if not varying(value):
@@ -229,18 +255,22 @@ class DeviceRoute:
             ]
             # Varying over the batch axis: else the gradient of a replicated
             # input comes back summed over the devices.
-            trainable = [to_varying(p) for p in trainable]
+            trainable = [_varying_over(axis, p) for p in trainable]
             grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-            (_, aux), grads = grad_fn(
-                trainable,
-                non_trainable,
-                metrics_values,
-                x,
-                y,
-                sample_weight,
-                training=True,
-                optimizer_variables=optimizer_values,
-            )
+            token = _AXIS.set(axis)
+            try:
+                (_, aux), grads = grad_fn(
+                    trainable,
+                    non_trainable,
+                    metrics_values,
+                    x,
+                    y,
+                    sample_weight,
+                    training=True,
+                    optimizer_variables=optimizer_values,
+                )
+            finally:
+                _AXIS.reset(token)
             loss, y_pred, new_non_trainable, new_metrics = aux
             new_non_trainable = [
                 old + (new - shifted) if seed else new
@@ -249,7 +279,7 @@ class DeviceRoute:
             # The compiled loss's trackers add sums (a loss times its items,
             # the items): every device's addition, varying or not.
             new_metrics = [
-                old + jax.lax.psum(change if varying(change) else to_varying(change), axis)
+                old + jax.lax.psum(_varying_over(axis, change), axis)
                 for old, change in ((o, n - o) for o, n in zip(metrics_values, new_metrics))
             ]
             return (

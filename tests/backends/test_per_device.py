@@ -335,3 +335,42 @@ def test_two_outputs_log_as_keras_and_resume_from_a_saved_model(runs):
     # sums, trained one more epoch: as the model that never stopped.
     assert run["loaded_route"]
     assert _max_difference(run["loaded"], run["weights"]) == 0.0
+
+
+BATCH_NORM = """
+import json, numpy as np, keras, keras_accum as ka
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+class Net(ka.PerDeviceGradients, keras.Sequential):
+    pass
+rng = np.random.default_rng(0)
+x = rng.normal(1.0, 2.0, size=(48, 6, 2)).astype("float32")
+y = rng.normal(size=(48, 1)).astype("float32")
+def fitted(cls, layer, optimizer, batch_size):
+    keras.utils.set_random_seed(0)
+    m = cls([keras.Input((6, 2)), keras.layers.Conv1D(3, 3), layer,
+             keras.layers.Flatten(), keras.layers.Dense(1)])
+    m.compile(optimizer=optimizer, loss="mse")
+    m.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return m
+# Global micro-batches of 8 (4 per device), windows of 3: batches of 24.
+ours = fitted(Net, ka.layers.BatchNormalization(momentum=0.5, momentum_unit="update"),
+              ka.GradientAccumulation(keras.optimizers.SGD(0.0), steps=3), 8)
+big = fitted(keras.Sequential, keras.layers.BatchNormalization(momentum=0.5),
+             keras.optimizers.SGD(0.0), 24)
+a, b = ours.layers[1], big.layers[1]
+print("RESULT", json.dumps(dict(
+    route=ours.optimizer._device_route is not None,
+    relative=max(float(np.max(np.abs(np.asarray(getattr(a, n).value)
+                                     - np.asarray(getattr(b, n).value))
+                              / np.abs(np.asarray(getattr(b, n).value))))
+                 for n in ("moving_mean", "moving_variance")))))
+"""
+
+
+def test_window_batch_norm_sums_every_devices_items():
+    # Each device normalizes with its own statistics (as under
+    # MirroredStrategy), but the window's moving statistics are those of all
+    # its items: Keras's layer at the global big batch.
+    result = _run(BATCH_NORM)
+    assert result["route"]
+    assert result["relative"] < 1e-5, result
