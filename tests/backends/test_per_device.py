@@ -111,9 +111,33 @@ def branches(lines):
     return [name.strip().lstrip("%") for name in names]
 
 
+def called(lines):
+    """The computations `lines` call on every run (fusions, loops, calls,
+    reductions): not a conditional's branches."""
+    names = []
+    for line in lines:
+        names += re.findall(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+    return names
+
+
+def reached(blocks, roots, follow_branches):
+    """`roots` and every computation they reach through `called` (and
+    through conditional branches with `follow_branches`)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in blocks:
+            continue
+        seen.add(name)
+        todo += called(blocks[name])
+        todo += branches(blocks[name]) if follow_branches else []
+    return seen
+
+
 def train_step_reductions(arm, tmp_path):
-    """(parameters, ENTRY's all-reduce sizes, the window-end branches'
-    all-reduce sizes) of the compiled train step of `arm`."""
+    """(parameters, the all-reduce sizes of what runs on every call: ENTRY
+    and what it calls outside a conditional; those of the conditionals'
+    branches and all they reach) of the compiled train step of `arm`."""
     dump = tmp_path / arm
     flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
     parameters = _run(HLO_SCRIPT, arm, xla_flags=flags)["parameters"]
@@ -121,8 +145,11 @@ def train_step_reductions(arm, tmp_path):
     assert len(files) == 1, files  # one shape of batch: one compiled step
     blocks, entry = computations(files[0].read_text())
     assert entry is not None and blocks[entry], sorted(blocks)
-    in_branches = [size for b in branches(blocks[entry]) for size in all_reduce_sizes(blocks[b])]
-    return parameters, all_reduce_sizes(blocks[entry]), in_branches
+    every_call = reached(blocks, [entry], follow_branches=False)
+    conditional = [b for name in every_call for b in branches(blocks[name])]
+    in_branches = reached(blocks, conditional, follow_branches=True) - every_call
+    sizes = lambda names: [size for n in sorted(names) for size in all_reduce_sizes(blocks[n])]  # noqa: E731
+    return parameters, sizes(every_call), sizes(in_branches)
 
 
 def test_the_hlo_reader_sees_computations_and_sizes():
@@ -148,6 +175,8 @@ def test_the_hlo_reader_sees_computations_and_sizes():
     assert all_reduce_sizes(blocks[entry]) == [1]
     assert branches(blocks[entry]) == ["branch_0", "branch_1"]
     assert all_reduce_sizes(blocks["branch_1"]) == [10]
+    assert reached(blocks, [entry], follow_branches=False) == {entry, "add"}
+    assert reached(blocks, [entry], follow_branches=True) == {entry, "branch_1", "add"}
 
 
 def test_plain_adam_all_reduces_every_gradient_every_step(tmp_path):
