@@ -41,6 +41,7 @@ from keras_accum.accumulation_logger import AccumulationLogger  # noqa: E402
 from keras_accum.adaptive_steps import AdaptiveSteps  # noqa: E402
 from keras_accum.gradient_accumulation import GradientAccumulation  # noqa: E402
 from keras_accum.invariant_adam import InvariantAdam  # noqa: E402
+from keras_accum.per_device import PerDeviceGradients  # noqa: E402
 from keras_accum.remat import rematerialize  # noqa: E402
 from keras_accum.scaling import scale_hyperparameters  # noqa: E402
 from keras_accum.schedules import PiecewiseSteps  # noqa: E402
@@ -55,6 +56,7 @@ __all__ = [
     "AdaptiveSteps",
     "GradientAccumulation",
     "InvariantAdam",
+    "PerDeviceGradients",
     "PiecewiseSteps",
     "UpdateAccumulationAdam",
     "layers",

@@ -398,3 +398,10 @@ def losses_override(model, losses):
         yield
     finally:
         model._losses_override.clear()
+
+
+def update_jax_metrics(model, metrics_values, loss, x, y, y_pred, sample_weight):
+    """(logs, metrics values) after a JAX train step: the loss tracker and
+    the compiled metrics updated statelessly, what Keras's JAX
+    `train_step` ends with (`PerDeviceGradients`). Checked on Keras 3.15."""
+    return model._update_metrics_variables(metrics_values, loss, x, y, y_pred, sample_weight)

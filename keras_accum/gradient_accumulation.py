@@ -36,6 +36,11 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
       then the only gradient communication of the window. With clipping
       configured, the window sum is reduced first so that the clip sees the
       global mean (one more reduction, still once per window).
+    * Under JAX's `keras.distribution.DataParallel`, Keras's `train_step`
+      all-reduces every gradient on every micro-batch; with the model
+      mixin `keras_accum.PerDeviceGradients` each device keeps its own
+      sums ([devices, *shape], sharded over the batch axis) and the
+      window's end reduces them once, inside its `lax.cond`.
     * Sparse gradients (`tf.IndexedSlices`, from `Embedding`) of a
       variable with 65,536 elements or more (`SPARSE_MIN_ELEMENTS` of the TensorFlow driver)
       stay sparse: each micro-batch's rows are added to S where they fall
@@ -67,6 +72,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
 
     _checks_window_sums = True  # "skip_window": the window's sums may be checked at its end
     _steps_inner = True  # the inner optimizer counts, averages and constrains
+    _per_device_sums = True  # may keep each device's sums (`PerDeviceGradients`)
     takes_weights = True
 
     def __init__(
@@ -103,6 +109,9 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         super().__init__(learning_rate=0.0, steps=steps, nonfinite=nonfinite, name=name)
         self.inner_optimizer = optimizer
         self._fit_items = None  # `weigh_micro_batches`: see `fit_items`
+        # Set by a `PerDeviceGradients` model's compile (JAX): the window's
+        # sums then hold one row per device, reduced at the window's end.
+        self._device_route = None
 
     def fit_items(self) -> weighing.FitItems:
         """The replica-local item count `weigh_micro_batches` writes under
@@ -121,8 +130,11 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         if self.built:
             return
         super().build(var_list)
+        route = self._device_route
         self._accumulators = [
             self.add_local_variable(v.shape, "float32", "accumulator", reference=v)
+            if route is None
+            else route.add_variable(self, v, "accumulator")
             for v in var_list
         ]
         self._weight = self.add_local_variable((), "float32", "weight")
@@ -262,7 +274,13 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
 
     def _update(self, variables, keep):
         sums = [ops.convert_to_tensor(a) for a in self._accumulators_of(variables)]
-        means = self.means(sums, ops.convert_to_tensor(self._weight))
+        weight = ops.convert_to_tensor(self._weight)
+        route = self._device_route
+        if route is not None:
+            # Each device's sums: reduced over the devices where the inner
+            # optimizer steps (inside JAX's window-end `lax.cond`), once.
+            return self._step_inner(lambda: self.means(route.total(sums), weight), variables, keep)
+        means = self.means(sums, weight)
         # The driver's: a branch, or (traced JAX) the values its `lax.cond` takes.
         return self._step_inner(means, variables, keep)
 

@@ -49,23 +49,21 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
     per window.
 
     **JAX's `keras.distribution` (`DataParallel`, or a `ModelParallel`
-    with a batch axis of several devices): kappa = steps**, not steps x
-    devices, and the optimizer warns once. Keras's JAX `train_step`
+    with a batch axis of several devices).** Keras's JAX `train_step`
     differentiates the loss of the whole sharded batch inside one
     `jax.jit` (keras/src/backend/jax/trainer.py, Keras 3.15.1: line 131,
     `jax.value_and_grad`; line 275, `jit`), so XLA all-reduces the
     devices' gradients before `stateless_apply` (line 151) receives them:
-    each step's gradient is one micro-batch of the global batch, and no
-    public hook reaches the devices' own gradients. They would take a
-    `train_step` of one's own with `jax.shard_map` around the
-    differentiation (the parameters cast to varying over the batch axis
-    first, else their gradient comes back already summed), a second input
-    to this optimizer (the devices' mean squared gradient) and one more
-    parameter-sized all-reduce per micro-batch: 1.5x and 1.9x the time of
-    the gradient computation on 2 CPU devices for 0.79M and 3.1M
-    parameters (`scripts/jax_per_device_grads.py`, BENCHMARKS.md). Hence
-    the warning: here a micro-batch is a step's whole global batch, and
-    `scaling_rule` and `scale_hyperparameters` count kappa = steps of them.
+    with Keras's `train_step` each step's gradient is one micro-batch of
+    the global batch, kappa = steps, and the optimizer warns once. With
+    the model mixin `keras_accum.PerDeviceGradients` (one line, see
+    `keras_accum.per_device`) each device's gradient is a micro-batch, as
+    under `tf.distribute`: kappa = steps x devices, m and v are kept as
+    one part per device (their sum is the moment) and summed over the
+    devices once per window, inside the window's end (a `cond`); nothing
+    parameter-sized is communicated on the other micro-batches. There
+    Keras's clipping arguments are refused (the per-device clip is not
+    written yet), and the state saved has one row per device.
 
     Conventions:
 
@@ -138,6 +136,8 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         name: optimizer name.
     """
 
+    _per_device_sums = True  # may keep each device's parts of m, v (`PerDeviceGradients`)
+
     def __init__(
         self,
         *args: Any,
@@ -152,6 +152,10 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
                 "'raise'. Received: nonfinite='skip_window'"
             )
         super().__init__(*args, name=name, **kwargs)
+        # Set by a `PerDeviceGradients` model's compile (JAX): m and v then
+        # hold one part per device (their sum is the moment), each device's
+        # gradient a micro-batch (kappa = steps x devices).
+        self._device_route = None
         # One replica until `build` knows the strategy's replica count.
         self.scaling_rule = scaling.check_scaling_rule(
             scaling_rule, self.beta_1, self.beta_2, schedules.steps_range(self.steps)[1]
@@ -162,14 +166,14 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
             return
         super().build(var_list)
         self._momentums, self._velocities = [], []
+        route = self._device_route
         for var in var_list:
             dtype = self._slot_dtype(var.dtype)  # float32 for a bfloat16 variable
-            self._momentums.append(
-                self.add_local_variable(var.shape, dtype, "momentum", reference=var)
-            )
-            self._velocities.append(
-                self.add_local_variable(var.shape, dtype, "velocity", reference=var)
-            )
+            for slots, name in ((self._momentums, "momentum"), (self._velocities, "velocity")):
+                if route is None:
+                    slots.append(self.add_local_variable(var.shape, dtype, name, reference=var))
+                else:
+                    slots.append(route.add_variable(self, var, name, dtype))
         self._build_scaling()
         self._restore_deferred_state()
 
@@ -182,7 +186,8 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
     # -- hyperparameters that follow the window size (`scaling_rule`) --------
 
     def _build_scaling(self):
-        replicas = _replicas.count_at_build(self)
+        # Each device's gradient is a micro-batch under `PerDeviceGradients`.
+        replicas = _replicas.count_at_build(self) * self._devices()
         max_kappa = schedules.steps_range(self.steps)[1] * replicas
         scaling.check_scaling_rule(self.scaling_rule, self.beta_1, self.beta_2, max_kappa)
         if self.scaling_rule is None:
@@ -304,6 +309,11 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
 
     # -- how JAX and PyTorch write it (`keras_accum.drivers.portable`) ---------
 
+    def _devices(self):
+        """Devices whose gradients are micro-batches of their own in this
+        optimizer's m and v (`PerDeviceGradients`), else 1."""
+        return 1 if self._device_route is None else self._device_route.devices
+
     def _fold(self, grads, variables, weight, start, ok):
         indices = [_compat.variable_index(self, v) for v in variables]
         momentums = [self._momentums[i] for i in indices]
@@ -311,16 +321,19 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         # (A skipped micro-batch comes as zeros: a zero gradient in the window.)
         grads = [ops.cast(g, m.dtype) for g, m in zip(grads, momentums)]
         grads = self._clip_micro_batch(grads, 1)
-        steps, rate_1, rate_2 = self._window_factors(1)
-        if self._single_step():  # Keras Adam's form and rounding
+        # Per device (`PerDeviceGradients`): each row of `grads` is its
+        # device's share g_d / devices, folded into that device's part.
+        devices = self._devices()
+        steps, rate_1, rate_2 = self._window_factors(devices)
+        if self._single_step() and devices == 1:  # Keras Adam's form and rounding
             kernels.adam_moments(momentums, velocities, grads, rate_1, rate_2)
             return
         first = kernels.flag(start, "float32")
-        keep, take = self.fold_factors(first, steps, 1.0 / steps, rate_1, rate_2)
+        keep, take = self.fold_factors(first, steps, devices / steps, rate_1, rate_2)
         kernels.decayed_moments(momentums, velocities, grads, keep, take, self.fold)
 
     def _update(self, variables, keep):
-        learning_rate, correction = self.rate_and_correction(1, keep)
+        learning_rate, correction = self.rate_and_correction(self._devices(), keep)
         indices = [_compat.variable_index(self, var) for var in variables]
         momentums = [self._momentums[i] for i in indices]
         alphas = {}  # alpha_t, once per dtype of the moments
@@ -329,12 +342,16 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
                 alphas[m.dtype] = self.alpha(learning_rate, correction, m.dtype)
         # theta = decayed(theta) - alpha m / (sqrt(v) + epsilon), the step
         # written in theta's dtype
-        steps = kernels.adam_steps(
+        moments = (
             momentums,
             [self._velocities[i] for i in indices],
             [alphas[m.dtype] for m in momentums],
             self.epsilon,
         )
+        if self._device_route is None:
+            steps = kernels.adam_steps(*moments)
+        else:  # the devices' parts summed where the window ends, only there
+            steps = self._device_route.window_steps(keep, *moments)
         decays = [self._decay_of(var, learning_rate) for var in variables]
         kernels.subtract(variables, steps, keep, decays)
 

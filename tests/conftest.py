@@ -71,6 +71,7 @@ SLOW_FILES = {
     "test_bench.py",  # bench smoke runs and the bench script
     "test_cross_backend.py",  # a process per other backend (.ci/backends runs it too)
     "test_data_parallel.py",  # two JAX devices in a subprocess (.ci/backends)
+    "test_per_device.py",  # two JAX devices in subprocesses, HLO dumps (.ci/backends)
     "test_backend_bench_smoke.py",  # the backend bench in a subprocess (.ci/backends)
     "test_jax_processes.py",  # two JAX processes on 127.0.0.1, a SIGKILL (.ci/backends)
     "test_held_memory.py",  # a subprocess per measurement

@@ -70,9 +70,11 @@ class GradientAccumulationForm:
     `lax.cond` of `stateless_apply` (JAX)."""
 
     def _step_inner(self, means, variables, keep):
+        # `means` may be a function (`PerDeviceGradients`: each device's
+        # sums, reduced only where the inner optimizer steps).
         if isinstance(keep, bool) or _backend.is_concrete(keep):
             if bool(keep):  # PyTorch, or JAX run eagerly
-                self.inner_optimizer.apply(means, variables)
+                self.inner_optimizer.apply(means() if callable(means) else means, variables)
             return None
         return means, keep  # traced: stepped in `stateless_apply`'s lax.cond
 
@@ -97,7 +99,8 @@ class InvariantAdamForm:
 
     def build(self, var_list):
         super().build(var_list)
-        warn_data_parallel(self)
+        if self._device_route is None:  # `PerDeviceGradients`: kappa = steps x devices
+            warn_data_parallel(self)
 
 
 class UpdateAccumulationAdamForm:
@@ -232,8 +235,9 @@ def end_window(optimizer, variables, boundary):
     result = optimizer._update(variables, keep)
     if optimizer._steps_inner:
         return result  # the inner optimizer counts, averages and constrains
-    if optimizer.use_ema:
-        kernels.update_ema(optimizer, keep)
+    if optimizer.use_ema:  # kappa counts each device's micro-batch (`PerDeviceGradients`)
+        route = getattr(optimizer, "_device_route", None)
+        kernels.update_ema(optimizer, keep, 1 if route is None else route.devices)
     for variable in variables:
         if variable.constraint is not None:
             variable.assign(masked(keep, variable.constraint(variable), variable))
@@ -270,8 +274,9 @@ def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variab
     inner_values = list(optimizer_variables[len(own) :])
     trainable_variables = list(trainable_variables)
 
-    def step():
-        return inner.stateless_apply(inner_values, means, trainable_variables)
+    def step():  # the reduction of per-device sums, if any, in this branch
+        window_means = means() if callable(means) else means
+        return inner.stateless_apply(inner_values, window_means, trainable_variables)
 
     def hold():
         return trainable_variables, inner_values
@@ -306,6 +311,7 @@ def warn_data_parallel(optimizer):
         warnings.warn(
             f"{type(optimizer).__name__} under keras.distribution on {devices} devices: "
             "each step's gradient arrives averaged over them, so kappa = steps (one "
-            "micro-batch per step), not steps x devices as under tf.distribute.",
+            "micro-batch per step), not steps x devices as under tf.distribute. A model "
+            "with the mixin keras_accum.PerDeviceGradients counts steps x devices.",
             stacklevel=4,
         )

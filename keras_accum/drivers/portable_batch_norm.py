@@ -13,7 +13,7 @@ import math
 import keras
 from keras import ops
 
-from keras_accum import _backend, _compat
+from keras_accum import _backend, _compat, per_device
 from keras_accum.schedules import PiecewiseSteps, StepsSchedule
 
 COUNTERS = ("micro_step", "window_steps", "window_end")
@@ -74,6 +74,9 @@ class BatchNormalizationForm:
         channels = self.window_sum.shape[0]
         items = math.prod(inputs.shape) // channels
         terms = self._window_terms(inputs, mask, mean, variance, items)
+        # Under `PerDeviceGradients` (JAX), each device's terms are summed
+        # over the devices: the window's statistics are of all its items.
+        terms = per_device.summed_over_devices(terms)
         # S1 += n_i (mu_i - c); S2 += n_i (s_i^2 + (mu_i - c)^2); N += n_i
         sums = [self.window_sum, self.window_square_sum, self.window_count]
         total_sum, total_square_sum, total_count = [

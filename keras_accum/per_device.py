@@ -1,0 +1,314 @@
+"""Each device's own gradient under JAX's `keras.distribution`, summed once
+per window (`PerDeviceGradients`).
+
+Keras's JAX `train_step` differentiates the loss of the whole sharded
+batch inside one `jit`, so XLA all-reduces every gradient on every step
+(keras/src/backend/jax/trainer.py, Keras 3.15.1: `train_step`, line 131):
+under `GradientAccumulation` a window of `steps` micro-batches moves
+`steps` times what its one update needs, and `InvariantAdam` squares the
+devices' mean gradient. `PerDeviceGradients` is a model mixin whose
+`train_step` differentiates each device's shard on its device
+(`jax.shard_map`, the parameters cast to varying over the batch axis) and
+hands the optimizer the devices' gradients as one [devices, *shape] array
+per variable, sharded over the batch axis. The optimizer keeps each
+device's window sums in variables of that shape and layout (the fold is
+local) and reduces them over the devices once, inside the window's end
+(`lax.cond`): what `tf.distribute` gives the TensorFlow driver.
+
+Only a batch is split: every other axis of the mesh must have one device.
+The forward pass runs on each device's shard, as under `MirroredStrategy`:
+a `BatchNormalization` normalizes with its device's statistics (Keras's
+layer's moving statistics are averaged over the devices;
+`keras_accum.layers.BatchNormalization` sums its window's terms over them,
+`summed_over_devices`), each device draws its own
+dropout masks (a seed generator's count moves as on one device), and the
+loss, the compiled loss's trackers and the metrics see the whole batch.
+"""
+
+import contextvars
+import warnings
+from typing import Any
+
+import keras
+from keras import ops
+
+from keras_accum import _backend, _compat, kernels
+
+__all__ = ["PerDeviceGradients"]
+
+# The batch axis while `DeviceRoute.train_step` traces each device's step
+# (None elsewhere): what `summed_over_devices` sums over.
+_AXIS = contextvars.ContextVar("keras_accum_device_axis", default=None)
+
+
+def summed_over_devices(values: list) -> list:
+    """Inside `PerDeviceGradients`' per-device step, `values` summed over
+    the devices (`keras_accum.layers.BatchNormalization`'s window sums of
+    each micro-batch: the window's statistics are of all its items, as
+    under `tf.distribute`); elsewhere `values` as given."""
+    axis = _AXIS.get()
+    if axis is None:
+        return values
+    import jax
+
+    return [jax.lax.psum(_varying_over(axis, v), axis) for v in values]
+
+
+def _varying_over(axis, value):
+    """`value` typed as varying over `axis` (a psum of an invariant value
+    would not add each device's)."""
+    import jax
+
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; before, vma
+    varying = manual.varying if manual is not None else getattr(aval, "vma", ())
+    return value if axis in varying else jax.lax.pcast(value, axis, to="varying")
+
+
+class PerDeviceGradients:
+    """Model mixin: under JAX's `keras.distribution.DataParallel`,
+    `GradientAccumulation` and `InvariantAdam` get each device's gradient
+    and reduce over the devices once per window.
+
+    The one line (the distribution set before the model is built)::
+
+        class Net(keras_accum.PerDeviceGradients, keras.Sequential): pass
+
+    then ``Net([...])`` where ``keras.Sequential([...])`` was (or
+    ``Net(inputs, outputs)`` for a functional model; a subclassed model
+    lists the mixin first among its bases). `compile` and `fit` are
+    Keras's. Without a distribution that splits the batch, under another
+    backend, or with another optimizer (`UpdateAccumulationAdam` needs the
+    reduced gradient on every micro-batch), `train_step` is Keras's.
+    """
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Keras's `compile`, then the per-device route for its optimizer
+        (see the class)."""
+        super().compile(*args, **kwargs)
+        if _backend.BACKEND == "jax" and getattr(self, "optimizer", None) is not None:
+            if getattr(self.optimizer, "_device_route", None) is not None:
+                return  # compiled again with the optimizer this route built
+            route = DeviceRoute.of_distribution()
+            if route is not None and route.takes(self.optimizer):
+                self.optimizer._device_route = route
+
+    def compile_from_config(self, config: dict) -> None:
+        """What Keras's does (`load_model` compiles the model again), through
+        this class's `compile`: the optimizer is built with its per-device
+        sums before its saved state is loaded into them."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def train_step(self, *args: Any) -> Any:
+        """Keras's, or under the per-device route (JAX) each device's
+        gradient, with `args` Keras's `(state, data)`."""
+        route = getattr(getattr(self, "optimizer", None), "_device_route", None)
+        if route is None:
+            return super().train_step(*args)
+        return route.train_step(self, *args)
+
+
+class DeviceRoute:
+    """The batch axis of a data-parallel mesh: how many devices, the
+    window variables laid out over them, their reduction, and the train
+    step that differentiates each device's shard."""
+
+    def __init__(self, mesh: keras.distribution.DeviceMesh, axis: str, devices: int):
+        self.mesh, self.axis, self.devices = mesh, axis, devices
+        self._rows = set()  # ids of the variables made here (one row per device)
+
+    @classmethod
+    def of_distribution(cls) -> "DeviceRoute | None":
+        """The route of the `keras.distribution` in scope: None without one
+        or with one device on the batch axis; None and a warning where
+        another axis of the mesh has several devices."""
+        distribution = keras.distribution.distribution()
+        if distribution is None:
+            return None
+        mesh = distribution.device_mesh
+        axis = getattr(distribution, "batch_dim_name", None)
+        names = list(mesh.axis_names)
+        if axis not in names:
+            return None
+        sizes = dict(zip(names, mesh.shape))
+        if int(sizes[axis]) < 2:
+            return None
+        if any(int(size) > 1 for name, size in sizes.items() if name != axis):
+            warnings.warn(
+                "PerDeviceGradients differentiates each device's shard along the batch "
+                f"axis only; the mesh {sizes} splits another axis too, so Keras's "
+                "train_step (one gradient all-reduce per step) runs instead.",
+                stacklevel=3,
+            )
+            return None
+        return cls(mesh, axis, int(sizes[axis]))
+
+    def takes(self, optimizer: keras.optimizers.Optimizer) -> bool:
+        """Whether `optimizer` keeps per-device window sums (not built yet:
+        its window variables are made when it is)."""
+        if not getattr(optimizer, "_per_device_sums", False):
+            return False
+        if any(
+            getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")
+        ):
+            if not getattr(optimizer, "_steps_inner", False):  # GA's inner optimizer clips the mean
+                raise ValueError(
+                    f"{type(optimizer).__name__} clips each micro-batch's gradient; under "
+                    "PerDeviceGradients each device's gradient is one, which it does not "
+                    "clip yet. Drop clipnorm/clipvalue/global_clipnorm, or use a model "
+                    f"without PerDeviceGradients. Received: optimizer={optimizer!r}"
+                )
+        if optimizer.built:
+            raise ValueError(
+                f"{type(optimizer).__name__} was built before this model's compile: "
+                "PerDeviceGradients needs a fresh optimizer, whose window sums it "
+                f"lays out over the devices. Received: optimizer={optimizer!r}"
+            )
+        return True
+
+    def add_variable(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        reference: keras.Variable,
+        name: str,
+        dtype: str = "float32",
+    ) -> keras.Variable:
+        """A window variable of shape [devices, *reference.shape], one row
+        per device, sharded over the batch axis."""
+        shape = (self.devices, *reference.shape)
+        layout = keras.distribution.TensorLayout(
+            (self.axis,) + (None,) * len(reference.shape), self.mesh
+        )
+        prefix = getattr(reference, "path", reference.name)
+        name = f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
+        variable = optimizer.add_variable(shape, "zeros", dtype, layout=layout, name=name)
+        self._rows.add(id(variable))
+        return variable
+
+    @staticmethod
+    def total(values: list) -> list:
+        """Each [devices, *shape] value summed over its devices: the one
+        reduction of a window (in the window's end branch)."""
+        return [ops.sum(ops.convert_to_tensor(v), axis=0) for v in values]
+
+    def window_steps(
+        self, keep: Any, momentums: list, velocities: list, alphas: list, epsilon: float
+    ) -> list:
+        """`InvariantAdam`'s [alpha m / (sqrt(v) + epsilon)] with m and v the
+        sums of the devices' parts: computed, and the parts reduced, only
+        where `keep` holds (a `cond`); zeros elsewhere."""
+
+        def reduced():
+            m, v = self.total(momentums), self.total(velocities)
+            return kernels.adam_steps(m, v, alphas, epsilon)
+
+        def held():
+            return [ops.zeros(m.shape[1:], m.dtype) for m in momentums]
+
+        return ops.cond(keep, reduced, held)
+
+    def train_step(self, model: keras.Model, state: tuple, data: Any) -> tuple:
+        """Keras's JAX `train_step` with the gradient of each device's shard:
+        the optimizer gets [devices, *shape] gradients, each row its
+        device's share of the mean (its gradient / devices)."""
+        import jax
+        from jax.sharding import PartitionSpec
+
+        if getattr(model.optimizer, "_fit_items", None) is not None:
+            raise ValueError(
+                "weigh_micro_batches counts each device's items, which PerDeviceGradients "
+                "does not hand the optimizer yet: use one or the other."
+            )
+
+        trainable, non_trainable, optimizer_values, metrics_values = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        axis, devices = self.axis, self.devices
+        split, whole = PartitionSpec(axis), PartitionSpec()
+
+        def varying(value):
+            return _varying_over(axis, value) is value
+
+        def agreed(value):  # a non-trainable value the devices moved apart
+            if not varying(value):
+                return value
+            if jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+                return jax.lax.pmean(value, axis)
+            return jax.lax.pmax(value, axis)  # counters (seed generators)
+
+        # A seed generator's state is (seed, count): each device draws from
+        # its own seed (else every device would drop the same units), and
+        # the count moves as on one device.
+        seeds = [v.name == "seed_generator_state" for v in model.non_trainable_variables]
+
+        def local(trainable, non_trainable, metrics_values, optimizer_values, x, y, sample_weight):
+            shift = jax.lax.axis_index(axis) * _SEED_STRIDE
+            given = non_trainable
+            non_trainable = [
+                v + ops.cast(ops.stack([shift, 0]), v.dtype) if seed else v
+                for seed, v in zip(seeds, non_trainable)
+            ]
+            optimizer_values = [
+                jax.numpy.zeros(shape) if value is None else value
+                for shape, value in zip(shapes, optimizer_values)
+            ]
+            # Varying over the batch axis: else the gradient of a replicated
+            # input comes back summed over the devices.
+            trainable = [_varying_over(axis, p) for p in trainable]
+            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+            token = _AXIS.set(axis)
+            try:
+                (_, aux), grads = grad_fn(
+                    trainable,
+                    non_trainable,
+                    metrics_values,
+                    x,
+                    y,
+                    sample_weight,
+                    training=True,
+                    optimizer_variables=optimizer_values,
+                )
+            finally:
+                _AXIS.reset(token)
+            loss, y_pred, new_non_trainable, new_metrics = aux
+            new_non_trainable = [
+                old + (new - shifted) if seed else new
+                for seed, old, shifted, new in zip(seeds, given, non_trainable, new_non_trainable)
+            ]
+            # The compiled loss's trackers add sums (a loss times its items,
+            # the items): every device's addition, varying or not.
+            new_metrics = [
+                old + jax.lax.psum(_varying_over(axis, change), axis)
+                for old, change in ((o, n - o) for o, n in zip(metrics_values, new_metrics))
+            ]
+            return (
+                [(g / devices)[None] for g in grads],
+                jax.lax.pmean(loss, axis),
+                y_pred,
+                [agreed(v) for v in new_non_trainable],
+                new_metrics,
+            )
+
+        # The per-device rows stay out (only `scale_loss` reads the
+        # optimizer's values there, in a scope that wants whole shapes).
+        rows = [id(v) in self._rows for v in model.optimizer.variables]
+        shapes = [v.shape for v in model.optimizer.variables]
+        optimizer_inputs = [None if row else v for row, v in zip(rows, optimizer_values)]
+        grads, loss, y_pred, non_trainable, metrics_values = jax.shard_map(
+            local,
+            mesh=self.mesh.backend_mesh,
+            in_specs=(whole, whole, whole, whole, split, split, split),
+            out_specs=(split, whole, split, whole, whole),
+        )(trainable, non_trainable, metrics_values, optimizer_inputs, x, y, sample_weight)
+        trainable, optimizer_values = model.optimizer.stateless_apply(
+            optimizer_values, grads, trainable
+        )
+        logs, metrics_values = _compat.update_jax_metrics(
+            model, metrics_values, loss, x, y, y_pred, sample_weight
+        )
+        return logs, (trainable, non_trainable, optimizer_values, metrics_values)
+
+
+# Apart enough that two devices' seeds never meet (a seed is a uint32 or int).
+_SEED_STRIDE = 1_000_003

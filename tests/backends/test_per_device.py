@@ -1,0 +1,405 @@
+"""`keras_accum.PerDeviceGradients` under JAX's `DataParallel` on two CPU
+devices: what the compiled train step communicates (the optimized HLO),
+and that the route trains as the big batch (`GradientAccumulation`) and as
+one device with a micro-batch per device (`InvariantAdam`, kappa = steps x
+devices)."""
+
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from tests import references
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's DataParallel")
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+
+
+def _run(script, *arguments, xla_flags=""):
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="jax",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {xla_flags}".strip(),
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, *arguments],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.split("RESULT ", 1)[1])
+
+
+# -- the optimized HLO of the train step --------------------------------------
+
+HLO_SCRIPT = """
+import sys, json, numpy as np, keras, keras_accum as ka
+assert len(keras.distribution.list_devices()) == 2
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+arm = sys.argv[1]
+class Net(ka.PerDeviceGradients, keras.Sequential):
+    pass
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "ga": lambda: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=4),
+    "ia": lambda: ka.InvariantAdam(0.01, steps=4),
+    "uaa": lambda: ka.UpdateAccumulationAdam(0.01, steps=4),
+}
+keras.utils.set_random_seed(0)
+model = Net([keras.Input((5,)), keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(1)])
+model.compile(optimizer=OPTIMIZERS[arm](), loss="mse")
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 5)).astype("float32"); y = rng.normal(size=(64, 1)).astype("float32")
+model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+print("RESULT", json.dumps({"parameters": model.count_params()}))
+"""
+
+_ARRAY = re.compile(r"\b(?:pred|[suf](?:8|16|32|64)|bf16|f8\w*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+
+
+def computations(text):
+    """({name: [instruction lines]}, the ENTRY computation's name) of an
+    HLO module's text: a computation opens with a header line ending in
+    '{' and closes with a line '}'."""
+    blocks, entry, name = {}, None, None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if name is None and header:
+            name, blocks[header.group(2)] = header.group(2), []
+            entry = name if header.group(1) else entry
+        elif name is not None and line.strip() == "}":
+            name = None
+        elif name is not None:
+            blocks[name].append(line)
+    return blocks, entry
+
+
+def all_reduce_sizes(lines):
+    """Elements each all-reduce of a computation moves (all its outputs: a
+    combined all-reduce is a tuple)."""
+    sizes = []
+    for line in lines:
+        match = re.search(r"=\s*(.*?)\s+all-reduce(?:-start)?\(", line)
+        if match:
+            shapes = _ARRAY.findall(match.group(1))
+            sizes.append(sum(math.prod(int(d) for d in s.split(",") if d) for s in shapes))
+    return sizes
+
+
+def branches(lines):
+    """The computations the conditionals of `lines` branch to."""
+    names = []
+    for line in lines:
+        if " conditional(" not in line:
+            continue
+        found = re.search(r"branch_computations=\{([^}]*)\}", line)
+        if found:
+            names += found.group(1).split(",")
+        names += re.findall(r"(?:true|false)_computation=([^,\s]+)", line)
+    return [name.strip().lstrip("%") for name in names]
+
+
+def called(lines):
+    """The computations `lines` call on every run (fusions, loops, calls,
+    reductions): not a conditional's branches."""
+    names = []
+    for line in lines:
+        names += re.findall(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+    return names
+
+
+def reached(blocks, roots, follow_branches):
+    """`roots` and every computation they reach through `called` (and
+    through conditional branches with `follow_branches`)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in blocks:
+            continue
+        seen.add(name)
+        todo += called(blocks[name])
+        todo += branches(blocks[name]) if follow_branches else []
+    return seen
+
+
+def train_step_reductions(arm, tmp_path):
+    """(parameters, the all-reduce sizes of what runs on every call: ENTRY
+    and what it calls outside a conditional; those of the conditionals'
+    branches and all they reach) of the compiled train step of `arm`."""
+    dump = tmp_path / arm
+    flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+    parameters = _run(HLO_SCRIPT, arm, xla_flags=flags)["parameters"]
+    files = sorted(dump.glob("*jit_train_step*after_optimizations.txt"))
+    assert len(files) == 1, files  # one shape of batch: one compiled step
+    blocks, entry = computations(files[0].read_text())
+    assert entry is not None and blocks[entry], sorted(blocks)
+    every_call = reached(blocks, [entry], follow_branches=False)
+    conditional = [b for name in every_call for b in branches(blocks[name])]
+    in_branches = reached(blocks, conditional, follow_branches=True) - every_call
+    sizes = lambda names: [size for n in sorted(names) for size in all_reduce_sizes(blocks[n])]  # noqa: E731
+    return parameters, sizes(every_call), sizes(in_branches)
+
+
+def test_the_hlo_reader_sees_computations_and_sizes():
+    text = "\n".join(
+        [
+            "%add (a: f32[], b: f32[]) -> f32[] {",
+            "  ROOT %s = f32[] add(f32[] %a, f32[] %b)",
+            "}",
+            "",
+            "%branch_1 (p: (f32[2,3])) -> f32[2,3] {",
+            "  %r = (f32[2,3]{1,0}, f32[4]{0}) all-reduce(%x, %y), to_apply=%add",
+            "}",
+            "",
+            "ENTRY %main.3_spmd (p0: f32[2,3], p1: pred[]) -> f32[2,3] {",
+            "  %ar = f32[] all-reduce(%z), channel_id=1, to_apply=%add",
+            "  ROOT %c = f32[2,3]{1,0} conditional(%p1, %t, %f), "
+            "branch_computations={%branch_0, %branch_1}",
+            "}",
+        ]
+    )
+    blocks, entry = computations(text)
+    assert entry == "main.3_spmd" and set(blocks) == {"add", "branch_1", "main.3_spmd"}
+    assert all_reduce_sizes(blocks[entry]) == [1]
+    assert branches(blocks[entry]) == ["branch_0", "branch_1"]
+    assert all_reduce_sizes(blocks["branch_1"]) == [10]
+    assert reached(blocks, [entry], follow_branches=False) == {entry, "add"}
+    assert reached(blocks, [entry], follow_branches=True) == {entry, "branch_1", "add"}
+
+
+def test_plain_adam_all_reduces_every_gradient_every_step(tmp_path):
+    # The control: Keras's train step reduces all the parameters' gradients
+    # in ENTRY, on every call (the mixin leaves Adam to Keras).
+    parameters, entry, _ = train_step_reductions("adam", tmp_path)
+    assert max(entry) >= parameters, (parameters, entry)
+
+
+@pytest.mark.parametrize("arm, moments", [("ga", 1), ("ia", 2)])
+def test_the_window_reduces_once_inside_its_end(arm, moments, tmp_path):
+    parameters, entry, in_branches = train_step_reductions(arm, tmp_path)
+    # Every step: scalars only (the loss's mean, the finiteness checks).
+    assert entry and max(entry) <= 8, (parameters, entry)
+    # The window's end: the sums (GA), or m and v (IA), of every parameter.
+    assert sum(in_branches) == moments * parameters, (parameters, in_branches)
+
+
+def test_update_accumulation_adam_keeps_keras_reduction(tmp_path):
+    # UAA needs the reduced gradient on every micro-batch: Keras's step.
+    parameters, entry, _ = train_step_reductions("uaa", tmp_path)
+    assert max(entry) >= parameters, (parameters, entry)
+
+
+# -- what the route trains to -------------------------------------------------
+
+TRAIN_SCRIPT = """
+import json, warnings, numpy as np, keras, keras_accum as ka
+devices = keras.distribution.list_devices()
+assert len(devices) == 2
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 5)).astype("float32"); y = rng.normal(size=(64, 1)).astype("float32")
+class Net(ka.PerDeviceGradients, keras.Sequential):
+    pass
+def fit(split, mixin, optimizer, batch_size, hidden=True):
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=devices) if split else None)
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((5,))]
+    layers += [keras.layers.Dense(8, activation="tanh")] if hidden else []
+    model = (Net if mixin else keras.Sequential)([*layers, keras.layers.Dense(1)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = optimizer()  # under the distribution, as the model
+        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+        initial = [w.tolist() for w in model.get_weights()]
+        history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return dict(initial=initial, weights=[w.tolist() for w in model.get_weights()],
+                history=history.history, warnings=[str(w.message) for w in caught],
+                route=getattr(optimizer, "_device_route", None) is not None)
+adam = lambda: keras.optimizers.Adam(0.01)
+ga = lambda: ka.GradientAccumulation(adam(), steps=4)
+uaa = lambda: ka.UpdateAccumulationAdam(0.01, steps=4)
+runs = {
+    "adam_64": fit(True, False, adam, 64),
+    "ga_today": fit(True, False, ga, 16),
+    "ga_route": fit(True, True, ga, 16),
+    "uaa_today": fit(True, False, uaa, 16),
+    "uaa_mixin": fit(True, True, uaa, 16),
+    # A linear model: the numpy reference differentiates it by hand.
+    "ia_route": fit(True, True, lambda: ka.InvariantAdam(0.01, steps=2), 16, hidden=False),
+    "ia_one_device": fit(False, False, lambda: ka.InvariantAdam(0.01, steps=4), 8, hidden=False),
+}
+# kappa = steps x devices also where the hyperparameters follow it.
+scaled = dict(scaling_rule="invariant", beta_2=0.99, use_ema=True, weight_decay=0.01)
+ia = lambda steps: lambda: ka.InvariantAdam(1e-3, steps=steps, **scaled)
+runs["ia_scaled_route"] = fit(True, True, ia(2), 16)
+runs["ia_scaled_one_device"] = fit(False, False, ia(4), 8)
+# Dropout: each device draws its own mask, the seed's count moves as on
+# one device (one draw per step); the accumulator's rows are the devices'.
+keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+keras.utils.set_random_seed(0)
+model = Net([keras.Input((32,)), keras.layers.Dropout(0.5), keras.layers.Dense(1, use_bias=False)])
+optimizer = ka.GradientAccumulation(keras.optimizers.SGD(0.0), steps=4)
+model.compile(optimizer=optimizer, loss="mae")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # ends inside a window, on purpose
+    model.fit(np.ones((12, 32), "float32"), np.full((12, 1), -9.0, "float32"),
+              batch_size=4, shuffle=False, verbose=0)
+runs["dropout"] = dict(
+    rows=[np.asarray(v.value).tolist() for v in optimizer.variables if "accumulator" in v.name],
+    seed=[np.asarray(v.value).tolist() for v in model.non_trainable_variables
+          if v.name == "seed_generator_state"])
+# Two outputs (the compiled loss's trackers are metrics variables, added
+# to inside the shard_map), saved and loaded mid-window, then trained on.
+import os, tempfile
+@keras.saving.register_keras_serializable(package="test_per_device")
+class Functional(ka.PerDeviceGradients, keras.Model):
+    pass
+y2 = rng.normal(size=(64, 2)).astype("float32")
+def two_outputs(cls):
+    keras.utils.set_random_seed(0)
+    i = keras.Input((5,)); h = keras.layers.Dense(8, activation="tanh")(i)
+    model = cls(i, [keras.layers.Dense(1, name="a")(h), keras.layers.Dense(2, name="b")(h)])
+    model.compile(optimizer=ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=3),
+                  loss=["mse", "mae"], metrics=[["mae"], ["mse"]])
+    history = model.fit(x, [y, y2], batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    return model, history
+ours, ours_history = two_outputs(Functional)
+keras_model, keras_history = two_outputs(keras.Model)
+path = os.path.join(tempfile.mkdtemp(), "model.keras")
+ours.save(path)
+loaded = keras.models.load_model(path)
+for model in (ours, loaded):
+    model.fit(x, [y, y2], batch_size=16, epochs=1, shuffle=False, verbose=0)
+runs["two_outputs"] = dict(
+    history=ours_history, keras_history=keras_history,
+    weights=[w.tolist() for w in ours.get_weights()],
+    loaded=[w.tolist() for w in loaded.get_weights()],
+    loaded_route=loaded.optimizer._device_route is not None)
+print("RESULT", json.dumps(runs))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _run(TRAIN_SCRIPT)
+
+
+def _max_difference(ours, theirs):
+    return max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_gradient_accumulation_per_device_is_the_big_batch(runs):
+    route = runs["ga_route"]
+    assert route["route"]
+    assert not [w for w in route["warnings"] if "PerDeviceGradients" in w or "kappa" in w]
+    assert _max_difference(route["weights"], runs["adam_64"]["weights"]) < 1e-5
+    assert _max_difference(route["weights"], runs["ga_today"]["weights"]) < 1e-5
+    # The loss and the metrics see the whole batch, as Keras's step does.
+    for name, values in runs["ga_today"]["history"].items():
+        np.testing.assert_allclose(route["history"][name], values, rtol=1e-6)
+
+
+def test_update_accumulation_adam_under_the_mixin_is_keras_step(runs):
+    mixin = runs["uaa_mixin"]
+    assert not mixin["route"]
+    assert _max_difference(mixin["weights"], runs["uaa_today"]["weights"]) == 0.0
+
+
+def _linear_gradient(params, x, y):
+    kernel, bias = params
+    residual = x @ kernel + bias - y
+    return [2.0 * x.T @ residual / len(x), 2.0 * residual.mean(0)]
+
+
+def test_invariant_adam_per_device_counts_each_device_as_a_micro_batch(runs):
+    route = runs["ia_route"]
+    assert route["route"]
+    assert not [w for w in route["warnings"] if "kappa" in w]
+    # kappa = steps x devices = 4 micro-batches of 8: each device's half of
+    # each global batch of 16, in order, as one device with steps=4 sees them.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5)).astype("float32").astype("float64")
+    y = rng.normal(size=(64, 1)).astype("float32").astype("float64")
+    params = [np.asarray(w, "float64") for w in route["initial"]]
+    reference = references.InvariantAdam(0.01, kappa=4)
+    for _ in range(2):
+        for start in range(0, 64, 8):
+            half = slice(start, start + 8)
+            params = reference.apply(params, _linear_gradient(params, x[half], y[half]))
+    assert _max_difference(route["weights"], params) < 1e-5
+    assert _max_difference(route["weights"], runs["ia_one_device"]["weights"]) < 1e-6
+    # With scaling_rule="invariant" (lr and betas of kappa = 4), EMA and
+    # weight decay: as one device with steps=4.
+    scaled = runs["ia_scaled_route"]
+    assert scaled["route"]
+    assert _max_difference(scaled["weights"], runs["ia_scaled_one_device"]["weights"]) < 1e-6
+
+
+def test_each_device_draws_its_own_dropout_mask(runs):
+    (rows,) = runs["dropout"]["rows"]  # [devices, 32, 1]: 3 micro-batches of 2 items each
+    rows = np.asarray(rows)[:, :, 0]
+    assert rows.shape == (2, 32) and np.any(rows[0] != rows[1])
+    (seed,) = runs["dropout"]["seed"]
+    assert seed[1] == 3  # one draw per step, as on one device
+
+
+def test_two_outputs_log_as_keras_and_resume_from_a_saved_model(runs):
+    run = runs["two_outputs"]
+    assert set(run["history"]) == set(run["keras_history"])
+    for name, values in run["keras_history"].items():
+        np.testing.assert_allclose(run["history"][name], values, rtol=1e-6, err_msg=name)
+    # Saved mid-window (8 micro-batches, steps=3), loaded with its per-device
+    # sums, trained one more epoch: as the model that never stopped.
+    assert run["loaded_route"]
+    assert _max_difference(run["loaded"], run["weights"]) == 0.0
+
+
+BATCH_NORM = """
+import json, numpy as np, keras, keras_accum as ka
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+class Net(ka.PerDeviceGradients, keras.Sequential):
+    pass
+rng = np.random.default_rng(0)
+x = rng.normal(1.0, 2.0, size=(48, 6, 2)).astype("float32")
+y = rng.normal(size=(48, 1)).astype("float32")
+def fitted(cls, layer, optimizer, batch_size):
+    keras.utils.set_random_seed(0)
+    m = cls([keras.Input((6, 2)), keras.layers.Conv1D(3, 3), layer,
+             keras.layers.Flatten(), keras.layers.Dense(1)])
+    m.compile(optimizer=optimizer, loss="mse")
+    m.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return m
+# Global micro-batches of 8 (4 per device), windows of 3: batches of 24.
+ours = fitted(Net, ka.layers.BatchNormalization(momentum=0.5, momentum_unit="update"),
+              ka.GradientAccumulation(keras.optimizers.SGD(0.0), steps=3), 8)
+big = fitted(keras.Sequential, keras.layers.BatchNormalization(momentum=0.5),
+             keras.optimizers.SGD(0.0), 24)
+a, b = ours.layers[1], big.layers[1]
+print("RESULT", json.dumps(dict(
+    route=ours.optimizer._device_route is not None,
+    relative=max(float(np.max(np.abs(np.asarray(getattr(a, n).value)
+                                     - np.asarray(getattr(b, n).value))
+                              / np.abs(np.asarray(getattr(b, n).value))))
+                 for n in ("moving_mean", "moving_variance")))))
+"""
+
+
+def test_window_batch_norm_sums_every_devices_items():
+    # Each device normalizes with its own statistics (as under
+    # MirroredStrategy), but the window's moving statistics are those of all
+    # its items: Keras's layer at the global big batch.
+    result = _run(BATCH_NORM)
+    assert result["route"]
+    assert result["relative"] < 1e-5, result
