@@ -56,12 +56,9 @@ def keras_mask(tensor):
 
 
 def fit_context():
-    """The Keras `fit` that runs the `apply` (or `build`) in progress, as
-    (model, the locals of `fit`), or None outside `fit`. Found in the frames
-    of this thread or, from a replica thread of a `tf.distribute` strategy,
-    of the main thread: `apply` runs inside `fit` eagerly (PyTorch) or
-    while its step is traced (TensorFlow, JAX). Checked: Keras 3.15.1 (the
-    TensorFlow, JAX and PyTorch trainers' `fit`, with its `epoch_iterator`)."""
+    """(model, the locals of Keras's `fit`) running the `apply` or `build`
+    in progress (this thread's frames, or a `tf.distribute` replica
+    thread's main thread), else None. Checked: Keras 3.15.1's trainers."""
     import threading
 
     frames = [sys._getframe(1)]
@@ -87,13 +84,9 @@ def fit_batch_size(context):
 
 
 def release_fit(context):
-    """Before an error from inside the `fit` of `fit_context()`: leaves its
-    model usable. JAX's `fit` moves the model's variables into its state
-    and gives them back only after a first step (`jax_state_sync`): the
-    state it holds is handed back here, for its `finally` to restore.
-    TensorFlow's train function, whose first trace failed, could not
-    create variables on its next one: it is dropped, and the next `fit`
-    traces a new one. Checked: Keras 3.15.1."""
+    """Before an error from inside `fit_context()`'s `fit`, its model left
+    usable: JAX's `fit` gets its state back (its `finally` restores it);
+    TensorFlow's failed train function is dropped. Checked: Keras 3.15.1."""
     model, local = context
     if hasattr(model, "jax_state_sync") and local.get("state") is not None:
         kinds = ("trainable", "non_trainable", "optimizer", "metrics")
@@ -104,10 +97,8 @@ def release_fit(context):
 
 
 def loss_tracker(model):
-    """The `keras.metrics.Mean` behind `fit`'s "loss" log: each step adds
-    loss x batch size to its `total` and the batch size (examples) to its
-    `count`; `fit` resets it at each epoch's start. Checked: Keras 3.15.1
-    (the TensorFlow, JAX and PyTorch trainers' `train_step`)."""
+    """The `keras.metrics.Mean` behind `fit`'s "loss" log (`total`: loss x
+    examples, `count`: examples; reset each epoch). Checked: Keras 3.15.1."""
     return getattr(model, "_loss_tracker", None)
 
 
@@ -401,7 +392,6 @@ def losses_override(model, losses):
 
 
 def update_jax_metrics(model, metrics_values, loss, x, y, y_pred, sample_weight):
-    """(logs, metrics values) after a JAX train step: the loss tracker and
-    the compiled metrics updated statelessly, what Keras's JAX
-    `train_step` ends with (`PerDeviceGradients`). Checked on Keras 3.15."""
+    """(logs, metrics values) after a JAX train step, as Keras's JAX
+    `train_step` ends (`PerDeviceGradients`). Checked on Keras 3.15."""
     return model._update_metrics_variables(metrics_values, loss, x, y, y_pred, sample_weight)
