@@ -44,6 +44,7 @@ class AdamFamily(AccumulationOptimizer):
         weight_decay: float | None = None,
         name: str | None = None,
         state_dtype: str | None = "float32",
+        flush_last_window: bool = False,
         **kwargs: Any,
     ):
         for unsupported in ADAM_UNSUPPORTED:
@@ -65,6 +66,7 @@ class AdamFamily(AccumulationOptimizer):
             nonfinite=nonfinite,
             weight_decay=weight_decay,
             name=name,
+            flush_last_window=flush_last_window,
             **kwargs,
         )
         self.beta_1 = beta_1

@@ -28,9 +28,6 @@ in the current window, for `"skip_window"`), then each subclass's slots.
 """
 
 import inspect
-import os
-import sys
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -40,32 +37,11 @@ from keras import ops, optimizers
 
 from keras_accum import _backend, _compat, _replicas, drivers, nonfinite, schedules, weighing
 from keras_accum._saving import StateMixin
+from keras_accum.last_window import LastWindowMixin, check_flush
 from keras_accum.schedules import StepsSchedule
 from keras_accum.validation import check_choice
 
 NONFINITE_POLICIES = tuple(nonfinite.POLICIES)
-
-
-# Frames of these packages are not where a user's call is.
-_LIBRARIES = tuple(
-    os.path.dirname(sys.modules[name].__file__) + os.sep
-    for name in ("keras", "tensorflow", "jax", "torch", __package__)
-    if getattr(sys.modules.get(name), "__file__", None)
-)
-
-
-def _caller_stacklevel():
-    """The `stacklevel` that points a warning at the first frame outside
-    keras_accum, Keras and TensorFlow (the user's `fit` call)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _int(variable):
-    """A scalar variable's value as an int, eagerly."""
-    return _backend.scalar_int(variable.value)
 
 
 class _Followers:
@@ -153,7 +129,9 @@ class WindowMixin:
         return ops.equal(micro_step, self._window_end)
 
 
-class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.Optimizer):
+class AccumulationOptimizer(
+    drivers.Driver, WindowMixin, LastWindowMixin, StateMixin, optimizers.Optimizer
+):
     """Base class: one micro-batch per `apply`, one update per window."""
 
     # True when a NaN or an Inf of any micro-batch propagates into the
@@ -167,10 +145,19 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
     # window mean); the others refuse a weight rather than ignore it.
     takes_weights = False
 
-    def __init__(self, learning_rate, steps=1, nonfinite="skip_micro_batch", **kwargs):
+    def __init__(
+        self,
+        learning_rate,
+        steps=1,
+        nonfinite="skip_micro_batch",
+        flush_last_window=False,
+        **kwargs,
+    ):
         super().__init__(learning_rate=learning_rate, **kwargs)
         self.steps = schedules.check_steps(steps)
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        # True: `fit`'s end applies a partial last window (`flush`).
+        self.flush_last_window = check_flush(self, flush_last_window)
 
     def build(self, var_list):
         # `model.fit` builds the optimizer before its first `apply`: a
@@ -226,48 +213,6 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
     def _counter(self, name):
         counter = getattr(self, name, None)
         return ops.convert_to_tensor(0, _backend.INT) if counter is None else counter
-
-    def pending_micro_batches(self) -> int:
-        """Micro-batches (per replica) folded into the current window and
-        not applied yet: 0 at a window's boundary. Eager only."""
-        if not self.built:
-            return 0
-        step = _int(self._micro_step)
-        if isinstance(self.steps, int):
-            return step % self.steps
-        end, size = _int(self._window_end), _int(self._window_size)
-        return 0 if step >= end else step - (end - size)
-
-    def finalize_variable_values(self, var_list):
-        # Keras's `fit` calls this once, when training ends.
-        self._warn_pending_window()
-        super().finalize_variable_values(var_list)
-
-    def _warn_pending_window(self):
-        """Says so when training ends inside a window, whose micro-batches
-        are accumulated but not applied."""
-        if not _backend.executing_eagerly() or getattr(self, "_warned_pending", False):
-            return
-        try:
-            pending = self.pending_micro_batches()
-        except Exception:
-            # Keras calls this in a `finally` also when a step failed (under
-            # JAX the state may then be unreadable): a warning must never
-            # replace the user's own error.
-            return
-        if pending:
-            # Once per optimizer: `fit(epochs=1)` in a loop is a pattern the
-            # README shows, and a partial window carries over to the next.
-            self._warned_pending = True
-            size = self.steps if isinstance(self.steps, int) else _int(self._window_size)
-            warnings.warn(
-                f"{type(self).__name__} '{self.name}': training ended inside a window: "
-                f"{pending} of its {size} micro-batches (per replica) are accumulated "
-                "but not applied. They are applied if training goes on with this "
-                "optimizer (its state is saved with it); to end on an update, make "
-                "the micro-batches trained a multiple of `steps`.",
-                stacklevel=_caller_stacklevel(),
-            )
 
     def has_updated(self):
         """True when the last `apply` call ended a window (an update was
@@ -379,6 +324,11 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
         """The variables a NaN propagates into (`_checks_window_sums`)."""
         return []
 
+    def _window_state(self):
+        """The variables that hold the window's micro-batches until its end
+        (cleared after a `flush`)."""
+        return []
+
     def _update(self, variables, keep):
         """The window's update, each write kept where `keep` holds."""
         raise NotImplementedError
@@ -395,4 +345,5 @@ class AccumulationOptimizer(drivers.Driver, WindowMixin, StateMixin, optimizers.
     def get_config(self):
         config = super().get_config()
         config.update({"steps": schedules.serialize_steps(self.steps), "nonfinite": self.nonfinite})
+        config["flush_last_window"] = self.flush_last_window
         return config

@@ -68,6 +68,11 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
             out and averages the rest; one more read of every gradient per
             micro-batch), `"raise"` or None; see `keras_accum.nonfinite`.
         name: optimizer name.
+        flush_last_window: True: where `fit` ends inside a window, its
+            micro-batches are applied as a window of their own (their
+            weighted mean: the big batch of those micro-batches); False
+            (default): they wait for training to go on, with a warning.
+            `flush()` does it in a loop of one's own.
     """
 
     _checks_window_sums = True  # "skip_window": the window's sums may be checked at its end
@@ -81,6 +86,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         steps: Any = 1,
         nonfinite: str | None = "skip_window",
         name: str | None = None,
+        flush_last_window: bool = False,
     ):
         if not isinstance(optimizer, optimizers.Optimizer):
             raise ValueError(
@@ -106,7 +112,13 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
                 f"{optimizer.gradient_accumulation_steps}; use `steps` here "
                 "instead."
             )
-        super().__init__(learning_rate=0.0, steps=steps, nonfinite=nonfinite, name=name)
+        super().__init__(
+            learning_rate=0.0,
+            steps=steps,
+            nonfinite=nonfinite,
+            name=name,
+            flush_last_window=flush_last_window,
+        )
         self.inner_optimizer = optimizer
         self._fit_items = None  # `weigh_micro_batches`: see `fit_items`
         # Set by a `PerDeviceGradients` model's compile (JAX): the window's
@@ -209,7 +221,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
-        self._warn_pending_window()
+        self._end_of_training()  # the flush (an inner step) or the warning
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def _accumulators_of(self, variables):
@@ -267,6 +279,9 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
             return self._weight > 0.0  # every micro-batch skipped: nothing to apply
         return super()._window_ok(boundary)
 
+    def _window_state(self):
+        return self._accumulators + [self._weight]
+
     def _window_sums(self):
         # A NaN or an Inf of any micro-batch propagates into S: one check of
         # S per window can replace a check of every micro-batch.
@@ -293,6 +308,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
             "optimizer": saving.serialize_keras_object(self.inner_optimizer),
             "steps": schedules.serialize_steps(self.steps),
             "nonfinite": self.nonfinite,
+            "flush_last_window": self.flush_last_window,
         }
 
     @classmethod

@@ -133,10 +133,20 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         weight_decay: optional decoupled weight decay.
         state_dtype: the moments' dtype for a bfloat16 or float16 variable:
             "float32" (default) or None (the variable's own, as Keras's Adam).
+        flush_last_window: refused (see `_refuses_flush`).
         name: optimizer name.
     """
 
     _per_device_sums = True  # may keep each device's parts of m, v (`PerDeviceGradients`)
+
+    # A partial window cannot be applied as one of its own: each micro-batch
+    # was folded into the moments with the window's size (1 / steps, and
+    # the betas of kappa), so its end would weigh it short.
+    _refuses_flush = (
+        "InvariantAdam folds each micro-batch into its moments with its window's "
+        "size, so a partial window cannot be applied as a window of its own; end "
+        "training on a window's boundary."
+    )
 
     def __init__(
         self,
@@ -145,7 +155,7 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         scaling_rule: str | None = None,
         **kwargs: Any,
     ):
-        if kwargs.get("nonfinite") == "skip_window":
+        if kwargs.get("nonfinite") == "skip_window":  # the user's value, named
             raise ValueError(
                 "InvariantAdam folds each micro-batch into its moments and "
                 "cannot drop a window afterwards; use 'skip_micro_batch' or "

@@ -63,6 +63,9 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         weight_decay: optional decoupled weight decay.
         state_dtype: the moments' dtype for a bfloat16 or float16 variable:
             "float32" (default) or None (the variable's own, as Keras's Adam).
+        flush_last_window: True: where `fit` ends inside a window, the
+            steps its micro-batches added to the buffer are applied then
+            (`flush()`); False (default): they wait, with a warning.
         name: optimizer name.
     """
 
@@ -155,6 +158,9 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         decays = [self._decay_of(var, self.learning_rate) for var in variables]
         steps = kernels.adam_steps(momentums, velocities, alphas, self.epsilon)
         kernels.subtract(variables, steps, ok, decays)
+
+    def _window_state(self):
+        return [a for a in self._updates or [] if a is not None]  # A
 
     def _update(self, variables, keep):
         if self._updates is None:  # steps == 1: applied in the micro-step

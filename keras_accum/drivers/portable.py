@@ -61,6 +61,11 @@ class Driver:
     def _check_strategy(self):
         return None  # no tf.distribute strategy here
 
+    def _flush_window(self):
+        """`flush`: the window's end now, eagerly, as `apply` ends one."""
+        with keras.name_scope(self.name, caller=self):
+            end_window(self, _compat.trainable_variables(self), True)
+
     def _creation_scope(self):
         return contextlib.nullcontext()
 

@@ -80,6 +80,16 @@ class Driver:
                     f"Received: created under {type(created).__name__}"
                 )
 
+    def _flush_window(self):
+        """`flush`: the window's end now, eagerly, in cross-replica context
+        (its reads are totals over the replicas), and `on_window_end`'s
+        callbacks, as `_merge_apply` runs them."""
+        variables = _compat.trainable_variables(self)
+        with self._creation_scope(), keras.name_scope(self.name, caller=self):
+            self._end_window(variables)
+            for callback in self._window_end_callbacks():
+                callback(None)
+
     def _creation_scope(self):
         """Where state the optimizer creates later must be created: the
         scope of the strategy it was created under."""
