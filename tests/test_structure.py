@@ -597,3 +597,16 @@ def test_no_portable_form_shadows_a_rules_method():
         if isinstance(node, ast.ClassDef) and node.name.endswith("Form"):
             names = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
             assert sorted((names & rule_names) - FORM_OVERRIDES) == [], node.name
+
+
+# -- no module over 400 lines (experiments/ aside: the studies' scripts) ----------
+
+
+def test_no_library_module_is_over_400_lines():
+    long = {
+        path.relative_to(PACKAGE).as_posix(): count
+        for path in PACKAGE.rglob("*.py")
+        if "experiments" not in path.relative_to(PACKAGE).parts
+        and (count := len(path.read_text().splitlines())) > 400
+    }
+    assert long == {}

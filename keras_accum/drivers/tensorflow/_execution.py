@@ -347,10 +347,8 @@ def _elements(tensor):
 
 
 def minus(theta, delta, decay=None):
-    """decayed(theta) - delta in theta's dtype, for a float32 delta of a
-    bfloat16 or float16 theta (float32 state): applied in float32 and
-    rounded once, at the write. `decay`: None or (weight_decay, lr) of
-    `equations.decayed`, in float32."""
+    """decayed(theta) - delta (`decay`: None or `equations.decayed`'s pair)
+    for a float32 delta of a bfloat16 or float16 theta: rounded once."""
     wide = tf.cast(theta, delta.dtype)
     wide = wide if decay is None else equations.decayed(wide, *decay)
     return tf.cast(wide - delta, theta.dtype)
