@@ -114,3 +114,37 @@ def test_steps_1_is_keras_adam_under_mixed_float16(variant):
             np.testing.assert_array_equal(ours, theirs)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float32_state_of_bfloat16_under_mirrored_strategy_is_one_device(variant):
+    # 2 replicas x micro-batches of 8 (global 16): InvariantAdam's kappa =
+    # 2 x 2 against one device's steps=4 over the same halves;
+    # UpdateAccumulationAdam's moments see the global micro-batch, as one
+    # device at batches of 16. Float32 moments, replica-local or mirrored.
+    from conftest import mirrored_strategy
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")  # one window: one bfloat16 write
+    y = rng.normal(size=(32, 1)).astype("float32")
+
+    def fitted(strategy, steps, batch_size):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+            model.compile(optimizer=variant(2e-2, steps=steps), loss="mse")
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        assert {str(m.dtype) for m in model.optimizer._momentums} == {"float32"}
+        return [np.asarray(w, "float32") for w in model.get_weights()]
+
+    keras.config.set_dtype_policy("bfloat16")
+    try:
+        ours = fitted(mirrored_strategy(), 2, 16)
+        if variant is ka.InvariantAdam:
+            one = fitted(tf.distribute.get_strategy(), 4, 8)
+        else:
+            one = fitted(tf.distribute.get_strategy(), 2, 16)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    for a, b in zip(ours, one):
+        np.testing.assert_allclose(a, b, rtol=2.0**-7, atol=0)  # one bfloat16 spacing

@@ -242,3 +242,36 @@ def test_batch_norm_two_devices_is_keras_at_the_global_big_batch():
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert float(lines["relative_difference"]) < 1e-5, out.stdout
     assert lines["micro_steps"] == "6 6", out.stdout
+
+
+# A bfloat16 model (issue #51): float32 moments under DataParallel, on
+# Keras's step and on PerDeviceGradients' route (one part per device).
+BFLOAT16 = """
+import numpy as np, keras, keras_accum as ka
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+keras.config.set_dtype_policy("bfloat16")
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 4)).astype("float32"); y = rng.normal(size=(64, 1)).astype("float32")
+class Net(ka.PerDeviceGradients, keras.Sequential): pass
+for name, cls, make in [("ia", keras.Sequential, lambda: ka.InvariantAdam(2e-2, steps=4)),
+                        ("ua", keras.Sequential, lambda: ka.UpdateAccumulationAdam(2e-2, steps=4)),
+                        ("ia_per_device", Net, lambda: ka.InvariantAdam(2e-2, steps=2))]:
+    keras.utils.set_random_seed(0)
+    m = cls([keras.Input((4,)), keras.layers.Dense(3)])
+    m.compile(optimizer=make(), loss="mse")
+    before = [np.asarray(w, "float32") for w in m.get_weights()]
+    m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    after = [np.asarray(w, "float32") for w in m.get_weights()]
+    dtypes = sorted({str(v.dtype) for v in m.optimizer._momentums})
+    moved = min(float(np.min(np.abs(a - b))) for a, b in zip(after, before))
+    print(name, ",".join(dtypes), len(m.optimizer._momentums[0].shape), moved)
+"""
+
+
+def test_bfloat16_model_keeps_float32_moments_under_data_parallel():
+    out = _run_file(["-c", BFLOAT16], timeout=600)
+    rows = {r[0]: r[1:] for r in (line.split() for line in out.stdout.splitlines()) if len(r) == 4}
+    assert set(rows) == {"ia", "ua", "ia_per_device"}, out.stdout
+    for dtypes, _rank, moved in rows.values():
+        assert dtypes == "float32" and float(moved) > 0, out.stdout
+    assert rows["ia"][1] == "2" and rows["ia_per_device"][1] == "3", out.stdout  # [devices, 4, 3]

@@ -72,7 +72,20 @@ CASES = {
         lambda: ref.UpdateAccumulationAdam(0.01, 4),
         4,
     ),
+    # Float32 sums; the mean stepped by Keras's SGD, which keeps no slot.
+    "ga_sgd_4": (
+        lambda: ka.GradientAccumulation(keras.optimizers.SGD(0.1), steps=4),
+        lambda: ref.GradientAccumulation(ref.SGD(0.1), 4),
+        4,
+    ),
 }
+
+
+def _state(optimizer):
+    """The optimizer's window state and moments."""
+    if isinstance(optimizer, ka.GradientAccumulation):
+        return optimizer._accumulators + [optimizer._weight]
+    return optimizer._momentums + optimizer._velocities
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -80,7 +93,7 @@ def test_float32_state_of_a_bfloat16_model_is_the_reference_rounded(name):
     make, reference, windows_of = CASES[name]
     optimizer = make()
     actual, expected, start = run(optimizer, reference(), 16, windows_of)
-    assert {str(v.dtype) for v in optimizer._momentums + optimizer._velocities} == {"float32"}
+    assert {str(v.dtype) for v in _state(optimizer)} == {"float32"}
     for a, e, s in zip(actual, expected, start):
         # Each write rounds once to bfloat16, as the reference's; float32
         # against float64 arithmetic may land a value on the other side of
@@ -153,3 +166,31 @@ def test_counters_are_exact_past_2_to_the_16():
     assert int(keras.ops.convert_to_numpy(optimizer.micro_step)) == start + 8
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == start // 4 + 2
     assert int(keras.ops.convert_to_numpy(optimizer._moment_steps)) == start + 8
+
+
+@pytest.mark.parametrize("variant", [ka.InvariantAdam, ka.UpdateAccumulationAdam])
+def test_fit_under_the_bfloat16_policy_moves_the_weights(variant):
+    # The outside trial: a model under `set_dtype_policy("bfloat16")`, one
+    # window of 4 micro-batches. Float32 moments move every weight; with
+    # InvariantAdam's moments in bfloat16 (Keras's Adam's way) nothing moves.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    moved = {}
+    keras.config.set_dtype_policy("bfloat16")
+    try:
+        for state_dtype in ("float32", None):
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+            model.compile(optimizer=variant(2e-2, steps=4, state_dtype=state_dtype), loss="mse")
+            before = [np.asarray(w, "float32") for w in model.get_weights()]
+            model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+            after = [np.asarray(w, "float32") for w in model.get_weights()]
+            assert {str(v.dtype) for v in model.trainable_variables} == {"bfloat16"}
+            assert {str(m.dtype) for m in model.optimizer._momentums} == {state_dtype or "bfloat16"}
+            moved[state_dtype] = [float(np.min(np.abs(a - b))) for a, b in zip(after, before)]
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert min(moved["float32"]) > 0  # every weight moved
+    if variant is ka.InvariantAdam:
+        assert max(moved[None]) == 0.0
