@@ -10,8 +10,14 @@ import numpy as np
 from keras import ops
 
 from keras_accum import _backend, _gradients
-from keras_accum._backend import tf
 from keras_accum._noise_scale import GradientNoiseScale, squared_norm
+
+# TensorFlow's probe (a traced `tf.while_loop`, `tf.data` input); JAX and
+# PyTorch probe through `keras_accum._gradients`.
+if _backend.IS_TENSORFLOW:
+    from keras_accum.drivers.tensorflow import noise_probe as _tensorflow
+else:
+    _tensorflow = None
 
 
 def _numpy(value):
@@ -88,7 +94,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         self.tracker = GradientNoiseScale(ema)
         self._rng = np.random.default_rng(seed)
         n = self.kappa * self.micro_batch_size
-        if isinstance(data, tf.data.Dataset):
+        if _tensorflow is not None and _tensorflow.is_dataset(data):
             self._arrays, self._iterator = None, iter(data.repeat())
         else:
             self._arrays = _backend.map_structure(np.asarray, tuple(data))
@@ -99,9 +105,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
                     f"{n} examples. Received: {size} examples"
                 )
         self._seen = 0
-        if _backend.IS_TENSORFLOW:
-            # Explicit tf.while_loop below: no autograph needed.
-            self.probe_fn = tf.function(self._probe, autograph=False)
+        if _tensorflow is not None:
+            self.probe_fn = _tensorflow.probe_function(self)
         else:
             self.probe_fn = self._probe_portable
             self._gradients = None
@@ -112,53 +117,13 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             idx = self._rng.choice(len(_backend.flatten(self._arrays)[0]), n, replace=False)
             data = _backend.map_structure(lambda a: a[idx], self._arrays)
         else:
-            data = next(self._iterator)
-            size = tf.nest.flatten(data)[0].shape[0]
-            if size < n:
-                raise ValueError(
-                    "`data` batches must hold at least kappa * "
-                    f"micro_batch_size = {n} examples. Received: {size}"
-                )
-            data = _backend.map_structure(lambda a: a[:n], data)
-        if not _backend.IS_TENSORFLOW:
+            data = _tensorflow.next_batch(self._iterator, n)
+        if _tensorflow is None:
             return data  # numpy arrays, of one fixed shape: JAX compiles once
-        # Tensors of one fixed shape: the tf.function traces once.
-        return _backend.map_structure(tf.convert_to_tensor, data)
-
-    def _probe(self, data):
-        model, kappa, b = self.model, self.kappa, self.micro_batch_size
-        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-
-        def split(t):  # [kappa * b, ...] -> [kappa, b, ...]: micro-batch i is t[i]
-            return tf.reshape(t, [kappa, b] + t.shape[1:].as_list())
-
-        x, y, sw = _backend.map_structure(split, (x, y, sw))
-        weights = model.trainable_variables
-        state = model.non_trainable_variables + model.metrics_variables
-        saved = [tf.identity(v) for v in state]
-
-        def body(i, small, acc):
-            xi, yi, swi = _backend.map_structure(lambda t: t[i], (x, y, sw))
-            grads = _gradients.tape_gradients(model, xi, yi, swi)
-            grads = [
-                _zeros_like(w) if g is None else tf.convert_to_tensor(g)
-                for g, w in zip(grads, weights)
-            ]
-            return (i + 1, small + squared_norm(grads), [a + g for a, g in zip(acc, grads)])
-
-        _, small, acc = tf.while_loop(
-            lambda i, *_: i < kappa,
-            body,
-            # Not `tf.zeros_like`: a constant the traced probe would hold for good.
-            (tf.constant(0), tf.constant(0.0), [_zeros_like(w) for w in weights]),
-        )
-        for v, s in zip(state, saved):
-            v.assign(s)
-        # |g_b|^2 = mean_j |g_j|^2 ; |g_B|^2 = |sum_j g_j / kappa|^2
-        return self.tracker.update(small / kappa, squared_norm(acc) / kappa**2, b, kappa * b)
+        return _tensorflow.as_tensors(data)
 
     def _probe_portable(self, data):
-        """`_probe` under JAX and PyTorch: the micro-batches' gradients from
+        """The probe under JAX and PyTorch: the micro-batches' gradients from
         `keras_accum._gradients`, summed as they come."""
         model, kappa, b = self.model, self.kappa, self.micro_batch_size
         if self._gradients is None or self._gradients.model is not model:
@@ -210,11 +175,3 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         if self._arrays is None:
             for _ in range(self._seen // self.every_n_batches):
                 next(self._iterator)
-
-
-def _zeros_like(variable):
-    """Zeros shaped like `variable`, computed where used (x * 0 with
-    `multiply_no_nan`): not `tf.zeros_like`, whose constant a traced probe
-    would hold for good."""
-    value = tf.convert_to_tensor(variable)
-    return tf.math.multiply_no_nan(value, tf.zeros((), value.dtype))
