@@ -610,3 +610,27 @@ def test_no_library_module_is_over_400_lines():
         and (count := len(path.read_text().splitlines())) > 400
     }
     assert long == {}
+
+
+# -- TensorFlow plumbing lives under drivers/tensorflow/ ------------------------
+
+TOP_LEVEL_TENSORFLOW = {
+    "_backend.py",  # where `tf` comes from
+    "_compat.py",  # Keras's and TensorFlow's private names
+    "_noise_scale.py",  # GradientNoiseScale: a tf.Module, IndexedSlices norms
+    "_replicas.py",  # tf.distribute's verbs (also weighing's replica scalar)
+    "remat.py",  # tf.recompute_grad on TensorFlow
+    "sharpness.py",  # TensorFlow-only diagnostics (GradientTape)
+}
+
+
+def test_at_most_six_top_level_modules_import_tensorflow():
+    importers = {
+        path.name
+        for path in PACKAGE.glob("*.py")
+        if any(
+            line.strip() == "import tensorflow as tf" or "_backend import tf" in line
+            for line in path.read_text().splitlines()
+        )
+    }
+    assert importers == TOP_LEVEL_TENSORFLOW
