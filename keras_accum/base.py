@@ -144,6 +144,12 @@ class AccumulationOptimizer(
     # True when `apply(weight=...)` weighs the micro-batch (a weighted
     # window mean); the others refuse a weight rather than ignore it.
     takes_weights = False
+    # Under several PyTorch processes (`drivers.torch_processes`): "sums"
+    # (each process's window sums, all-reduced at the window's end),
+    # "parts" (each process's gradient a micro-batch, its part of the state
+    # all-reduced there), "gradients" (the mean gradient every micro-batch);
+    # None: refused.
+    _across_processes = None
 
     def __init__(
         self,
@@ -322,6 +328,11 @@ class AccumulationOptimizer(
 
     def _window_sums(self):
         """The variables a NaN propagates into (`_checks_window_sums`)."""
+        return []
+
+    def _process_sums(self):
+        """The variables all-reduced over PyTorch processes at a window's
+        end (`_across_processes`)."""
         return []
 
     def _window_state(self):

@@ -78,6 +78,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
     _checks_window_sums = True  # "skip_window": the window's sums may be checked at its end
     _steps_inner = True  # the inner optimizer counts, averages and constrains
     _per_device_sums = True  # may keep each device's sums (`PerDeviceGradients`)
+    _across_processes = "sums"  # S_r and W_r, all-reduced at the window's end
     takes_weights = True
 
     def __init__(
@@ -280,6 +281,9 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         return super()._window_ok(boundary)
 
     def _window_state(self):
+        return self._accumulators + [self._weight]
+
+    def _process_sums(self):
         return self._accumulators + [self._weight]
 
     def _window_sums(self):

@@ -138,6 +138,7 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
     """
 
     _per_device_sums = True  # may keep each device's parts of m, v (`PerDeviceGradients`)
+    _across_processes = "parts"  # each process's gradient a micro-batch of the window
 
     # A partial window cannot be applied as one of its own: each micro-batch
     # was folded into the moments with the window's size (1 / steps, and
@@ -320,9 +321,15 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
     # -- how JAX and PyTorch write it (`keras_accum.drivers.portable`) ---------
 
     def _devices(self):
-        """Devices whose gradients are micro-batches of their own in this
-        optimizer's m and v (`PerDeviceGradients`), else 1."""
-        return 1 if self._device_route is None else self._device_route.devices
+        """Devices (`PerDeviceGradients`) or PyTorch processes whose
+        gradients are micro-batches of their own in this optimizer's m and
+        v, else 1."""
+        if self._device_route is not None:
+            return self._device_route.devices
+        return self._processes()
+
+    def _process_sums(self):
+        return self._momentums + self._velocities
 
     def _fold(self, grads, variables, weight, start, ok):
         indices = [_compat.variable_index(self, v) for v in variables]

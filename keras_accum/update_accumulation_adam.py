@@ -73,6 +73,8 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
     # moves every micro-batch (`sharpness.adam_preconditioner` reads it).
     _moments_counter = "micro_step"
 
+    _across_processes = "gradients"  # its moments see every micro-batch's mean
+
     def __init__(self, *args: Any, name: str = "update_accumulation_adam", **kwargs: Any):
         super().__init__(*args, name=name, **kwargs)
 

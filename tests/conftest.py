@@ -74,6 +74,7 @@ SLOW_FILES = {
     "test_per_device.py",  # two JAX devices in subprocesses, HLO dumps (.ci/backends)
     "test_backend_bench_smoke.py",  # the backend bench in a subprocess (.ci/backends)
     "test_jax_processes.py",  # two JAX processes on 127.0.0.1, a SIGKILL (.ci/backends)
+    "test_torch_processes.py",  # two PyTorch gloo processes on 127.0.0.1 (.ci/backends)
     "test_held_memory.py",  # a subprocess per measurement
     "test_install_without_tensorflow.py",  # a JAX child without TensorFlow (about 9 s)
     "test_invariance.py",  # the invariance study end to end

@@ -33,6 +33,7 @@ import keras
 from keras import ops
 
 from keras_accum import _backend, _compat, kernels, nonfinite
+from keras_accum.drivers import torch_processes
 from keras_accum.kernels import both, decided, flag, masked
 
 __all__ = ["Driver", "GradientAccumulationForm", "InvariantAdamForm", "UpdateAccumulationAdamForm"]
@@ -55,11 +56,20 @@ class Driver:
         grads = [g for g, _ in pairs]
         if self.loss_scale_factor is not None:
             grads = [g / self.loss_scale_factor for g in grads]
+        if self._processes() > 1:
+            grads = across_processes(self, grads)
         with keras.name_scope(self.name, caller=self):
             return apply(self, grads, [v for _, v in pairs], weight, overwrite)
 
     def _check_strategy(self):
         return None  # no tf.distribute strategy here
+
+    def _processes(self):
+        """PyTorch processes of a `torch.distributed` group (1 without one),
+        asked once (`keras_accum.drivers.torch_processes`)."""
+        if "_process_count" not in self.__dict__:
+            self.__dict__["_process_count"] = torch_processes.count()
+        return self.__dict__["_process_count"]
 
     def _flush_window(self):
         """`flush`: the window's end now, eagerly, as `apply` ends one."""
@@ -163,6 +173,26 @@ def apply(optimizer, grads, variables, weight, overwrite):
     return end_window(optimizer, variables, boundary)
 
 
+def across_processes(optimizer, grads):
+    """A micro-batch's gradients under several PyTorch processes, as the
+    rule takes them (`optimizer._across_processes`): "sums" each process's
+    own (its window sums are all-reduced at the window's end), "parts" its
+    share g_r / processes (a micro-batch of the window, as a replica's),
+    "gradients" their mean over the processes (every micro-batch)."""
+    kind = optimizer._across_processes
+    if kind is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} does not say how it runs under several "
+            "torch.distributed processes (`_across_processes`). Received: "
+            f"world_size={optimizer._processes()}"
+        )
+    if kind == "gradients":
+        return torch_processes.mean_of([ops.convert_to_tensor(g) for g in grads])
+    if kind == "parts":
+        return [g / optimizer._processes() for g in grads]
+    return grads
+
+
 def host_micro_step(optimizer):
     """`micro_step` as a Python int where PyTorch runs the step eagerly
     with an int `steps` (else None): held in Python since this driver last
@@ -220,6 +250,11 @@ def end_window(optimizer, variables, boundary):
     else None."""
     if boundary is False:
         return None  # eager, inside a window: nothing of the window's end runs
+    processes = optimizer._processes()
+    if processes > 1 and optimizer._across_processes != "gradients":
+        # PyTorch processes: the window's one all-reduce, before its checks
+        # (every process then applies, or drops, the same window).
+        torch_processes.sum_in_place(optimizer._process_sums() + [optimizer._window_bad])
     if checks_sums_at_end(optimizer):  # eager: a NaN of the window is in its sums
         window_ok = decided(
             kernels.finite([ops.convert_to_tensor(s) for s in optimizer._window_sums()])
@@ -238,11 +273,15 @@ def end_window(optimizer, variables, boundary):
     if keep is False:
         return None
     result = optimizer._update(variables, keep)
+    if processes > 1 and optimizer._across_processes == "parts":
+        # Each process keeps total / processes: their sum is the moment.
+        for part in optimizer._process_sums():
+            part.assign(ops.convert_to_tensor(part) / processes)
     if optimizer._steps_inner:
         return result  # the inner optimizer counts, averages and constrains
     if optimizer.use_ema:  # kappa counts each device's micro-batch (`PerDeviceGradients`)
         route = getattr(optimizer, "_device_route", None)
-        kernels.update_ema(optimizer, keep, 1 if route is None else route.devices)
+        kernels.update_ema(optimizer, keep, processes if route is None else route.devices)
     for variable in variables:
         if variable.constraint is not None:
             variable.assign(masked(keep, variable.constraint(variable), variable))

@@ -90,6 +90,9 @@ class Driver:
             for callback in self._window_end_callbacks():
                 callback(None)
 
+    def _processes(self):
+        return 1  # tf.distribute's replicas are `_replicas.count()`
+
     def _creation_scope(self):
         """Where state the optimizer creates later must be created: the
         scope of the strategy it was created under."""
