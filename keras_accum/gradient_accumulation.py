@@ -39,7 +39,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
     * Under JAX's `keras.distribution.DataParallel`, Keras's `train_step`
       all-reduces every gradient on every micro-batch; with the model
       mixin `keras_accum.PerDeviceGradients` each device keeps its own
-      sums ([devices, *shape], sharded over the batch axis) and the
+      sums (`[devices, *shape]`, sharded over the batch axis) and the
       window's end reduces them once, inside its `lax.cond`.
     * Sparse gradients (`tf.IndexedSlices`, from `Embedding`) of a
       variable with 65,536 elements or more (`SPARSE_MIN_ELEMENTS` of the TensorFlow driver)

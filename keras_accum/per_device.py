@@ -9,7 +9,7 @@ under `GradientAccumulation` a window of `steps` micro-batches moves
 devices' mean gradient. `PerDeviceGradients` is a model mixin whose
 `train_step` differentiates each device's shard on its device
 (`jax.shard_map`, the parameters cast to varying over the batch axis) and
-hands the optimizer the devices' gradients as one [devices, *shape] array
+hands the optimizer the devices' gradients as one `[devices, *shape]` array
 per variable, sharded over the batch axis. The optimizer keeps each
 device's window sums in variables of that shape and layout (the fold is
 local) and reduces them over the devices once, inside the window's end
@@ -189,7 +189,7 @@ class DeviceRoute:
 
     @staticmethod
     def total(values: list) -> list:
-        """Each [devices, *shape] value summed over its devices: the one
+        """Each `[devices, *shape]` value summed over its devices: the one
         reduction of a window (in the window's end branch)."""
         return [ops.sum(ops.convert_to_tensor(v), axis=0) for v in values]
 
@@ -211,7 +211,7 @@ class DeviceRoute:
 
     def train_step(self, model: keras.Model, state: tuple, data: Any) -> tuple:
         """Keras's JAX `train_step` with the gradient of each device's shard:
-        the optimizer gets [devices, *shape] gradients, each row its
+        the optimizer gets `[devices, *shape]` gradients, each row its
         device's share of the mean (its gradient / devices)."""
         import jax
         from jax.sharding import PartitionSpec
