@@ -2,7 +2,10 @@
 under `keras.distribution.DataParallel`: `GradientAccumulation(Adam, 4)`
 equals one process fed the same global batches, and a run killed mid-window
 (SIGKILL of one process) and restarted from its `BackupAndRestore`
-checkpoint ends in the state of the uninterrupted run, bit for bit.
+checkpoint ends in the state of the uninterrupted run, bit for bit. The same
+with `keras_accum.PerDeviceGradients` (also on two CPU devices a process),
+whose window-end conditional holds the only parameter-sized all-reduce, and
+`InvariantAdam` counting each device as a micro-batch (issue #49).
 
 Each process feeds its share of every global batch of 16 (numpy input,
 `auto_shard_dataset=False`): process p the rows [16 i + 8 p, 16 i + 8 p + 8)
@@ -134,9 +137,13 @@ def _launch(tmp, processes, out, **options):
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     port = _free_port()
 
-    def flags(i):  # each process's optimized HLO in out/hlo_<i> with dump=True
-        dump = f"--xla_dump_to={tmp / out / f'hlo_{i}'} --xla_dump_hlo_as_text"
-        return dict(XLA_FLAGS=dump) if options.get("dump") else {}
+    def flags(i):  # devices=k: k CPU devices each; dump=True: the HLO in out/hlo_<i>
+        flags = []
+        if options.get("devices", 1) > 1:
+            flags.append(f"--xla_force_host_platform_device_count={options['devices']}")
+        if options.get("dump"):
+            flags.append(f"--xla_dump_to={tmp / out / f'hlo_{i}'} --xla_dump_hlo_as_text")
+        return dict(XLA_FLAGS=" ".join(flags)) if flags else {}
 
     return [
         subprocess.Popen(
@@ -193,7 +200,9 @@ def uninterrupted(tmp_path_factory):
     with `PerDeviceGradients` ("two_mixin"), their compiled steps dumped;
     `InvariantAdam(steps=2)` on two processes ("ia_two", the mixin) and
     `InvariantAdam(steps=4)` on one process fed the same halves in order
-    ("ia_one", batches of 8)."""
+    ("ia_one", batches of 8); the same on two processes of two CPU devices
+    each ("four_mixin", "ia_four") and `InvariantAdam(steps=8)` on one
+    process fed the same quarters ("ia_one_quarters", batches of 4)."""
     tmp = tmp_path_factory.mktemp("jax_processes")
     runs = [
         (1, "one", {}),
@@ -201,13 +210,17 @@ def uninterrupted(tmp_path_factory):
         (2, "two_mixin", dict(mixin=True, dump=True)),
         (2, "ia_two", dict(mixin=True, optimizer="ia", steps=2)),
         (1, "ia_one", dict(optimizer="ia", steps=4, batch=8)),
+        (1, "ia_one_quarters", dict(optimizer="ia", steps=8, batch=4)),
+        (2, "four_mixin", dict(mixin=True, devices=2)),
+        (2, "ia_four", dict(mixin=True, optimizer="ia", steps=2, devices=2)),
     ]
     outputs = {}
-    for group in (runs[:3], runs[3:]):  # at most 5 processes at once
+    for group in (runs[:3], runs[3:6], runs[6:]):  # at most 5 processes at once
         procs = [proc for n, out, options in group for proc in _launch(tmp, n, out, **options)]
         try:
             names = [out for n, out, _ in group for _ in range(n)]
-            for name, (code, output) in zip(names, _finish(procs)):
+            # (a loaded machine: 8 CPU devices' collectives on few cores)
+            for name, (code, output) in zip(names, _finish(procs, timeout=480)):
                 assert code == 0, output[-3000:]
                 outputs.setdefault(name, []).append(output)
         finally:
@@ -223,7 +236,7 @@ def _max_difference(ours, theirs):
     return max(float(np.max(np.abs(a - b))) for a, b in zip(ours, theirs, strict=True))
 
 
-@pytest.mark.parametrize("run", ["two", "two_mixin"])
+@pytest.mark.parametrize("run", ["two", "two_mixin", "four_mixin"])
 def test_two_processes_equal_one_process_with_the_same_global_batch(uninterrupted, run):
     tmp, outputs = uninterrupted
     one = _state(tmp, "one", 0)
@@ -235,20 +248,23 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(uninterrupte
     assert two[0].keys() == two[1].keys()
     for key in two[0]:
         np.testing.assert_array_equal(two[0][key], two[1][key], err_msg=key)
-    # The mixin's route takes the two processes' devices as its rows.
+    # The mixin's route takes every process's devices as its rows.
     routes = [line for output in outputs[run] for line in output.splitlines() if "route" in line]
-    assert routes == ["route 2" if run == "two_mixin" else "route None"] * 2, routes
+    route = {"two": "route None", "two_mixin": "route 2", "four_mixin": "route 4"}[run]
+    assert routes == [route] * 2, routes
 
 
 def test_per_device_route_equals_keras_route_on_two_processes(uninterrupted):
     tmp, _ = uninterrupted
-    for process in (0, 1):
-        plain, mixin = _state(tmp, "two", process), _state(tmp, "two_mixin", process)
-        assert _max_difference(_weights(plain), _weights(mixin)) < 1e-5
-        # One accumulator row per device (the two processes' rows gathered);
-        # a window in progress is checked where the killed run resumes.
-        rows = [key for key in mixin if key.endswith("_accumulator")]
-        assert len(rows) == 4 and all(mixin[key].shape[0] == 2 for key in rows), rows
+    for run, devices in (("two_mixin", 2), ("four_mixin", 4)):
+        for process in (0, 1):
+            plain, mixin = _state(tmp, "two", process), _state(tmp, run, process)
+            assert _max_difference(_weights(plain), _weights(mixin)) < 1e-5
+            # One accumulator row per device (every process's rows gathered);
+            # a window in progress is checked where the killed run resumes.
+            rows = [key for key in mixin if key.endswith("_accumulator")]
+            assert len(rows) == 4, rows
+            assert all(mixin[key].shape[0] == devices for key in rows), rows
 
 
 def test_invariant_adam_counts_each_process_as_a_micro_batch(uninterrupted):
@@ -261,6 +277,10 @@ def test_invariant_adam_counts_each_process_as_a_micro_batch(uninterrupted):
     one = _weights(_state(tmp, "ia_one", 0))
     for process in (0, 1):
         assert _max_difference(_weights(_state(tmp, "ia_two", process)), one) < 1e-6
+    # Two devices a process: kappa = 2 x 4, each device's quarter in order.
+    one = _weights(_state(tmp, "ia_one_quarters", 0))
+    for process in (0, 1):
+        assert _max_difference(_weights(_state(tmp, "ia_four", process)), one) < 1e-6
 
 
 @pytest.mark.parametrize("run", ["two", "two_mixin"])
@@ -289,15 +309,19 @@ def test_where_the_compiled_step_all_reduces_on_two_processes(uninterrupted, run
         assert sum(sizes(in_branches)) == parameters, (parameters, sizes(in_branches))
 
 
-@pytest.mark.parametrize("mixin", [False, True], ids=["keras_step", "per_device"])
-def test_killed_run_resumes_from_backup_to_the_uninterrupted_state(uninterrupted, tmp_path, mixin):
+@pytest.mark.parametrize(
+    "expected_run, options",
+    [("two", {}), ("two_mixin", dict(mixin=True)), ("four_mixin", dict(mixin=True, devices=2))],
+)
+def test_killed_run_resumes_from_backup_to_the_uninterrupted_state(
+    uninterrupted, tmp_path, expected_run, options
+):
     reference, _ = uninterrupted
-    expected_run = "two_mixin" if mixin else "two"
     backup = str(tmp_path / "backup")
     # Process 1 kills itself (SIGKILL) after batch 2 of epoch 2 (0-based):
     # micro-batch 13, one into a window; the last checkpoints are epoch 1's
     # end, micro-batch 10, two into a window.
-    procs = _launch(tmp_path, 2, "killed", backup=backup, kill=[1, 2, 2], mixin=mixin)
+    procs = _launch(tmp_path, 2, "killed", backup=backup, kill=[1, 2, 2], **options)
     try:
         code, output = _finish(procs[1:])[0]
         assert code == -signal.SIGKILL, output[-3000:]
@@ -313,7 +337,7 @@ def test_killed_run_resumes_from_backup_to_the_uninterrupted_state(uninterrupted
     finally:
         _kill_leftovers(procs)
 
-    procs = _launch(tmp_path, 2, "resumed", backup=backup, mixin=mixin)
+    procs = _launch(tmp_path, 2, "resumed", backup=backup, **options)
     try:
         results = _finish(procs)
     finally:
