@@ -20,7 +20,9 @@ class StateMixin:
     `keras_accum.base.AccumulationOptimizer`."""
 
     def get_weights(self):
-        """Values of `variables`: the whole state, a wrapped optimizer's too."""
+        """Values of `variables`: the whole state, a wrapped optimizer's too
+        (`PerDeviceGradients`' rows on several processes gathered: every
+        process calls it at once)."""
         route = getattr(self, "_device_route", None)
         if route is None:
             return [keras.ops.convert_to_numpy(v) for v in self.variables]

@@ -13,7 +13,9 @@ hands the optimizer the devices' gradients as one [devices, *shape] array
 per variable, sharded over the batch axis. The optimizer keeps each
 device's window sums in variables of that shape and layout (the fold is
 local) and reduces them over the devices once, inside the window's end
-(`lax.cond`): what `tf.distribute` gives the TensorFlow driver.
+(`lax.cond`): what `tf.distribute` gives the TensorFlow driver. The devices
+may belong to several processes (`keras.distribution.initialize`): each
+process then holds, saves and loads the rows of its own devices.
 
 Only a batch is split: every other axis of the mesh must have one device.
 The forward pass runs on each device's shard, as under `MirroredStrategy`:
