@@ -20,8 +20,13 @@ class StateMixin:
     `keras_accum.base.AccumulationOptimizer`."""
 
     def get_weights(self):
-        """Values of `variables`: the whole state, a wrapped optimizer's too."""
-        return [keras.ops.convert_to_numpy(v) for v in self.variables]
+        """Values of `variables`: the whole state, a wrapped optimizer's too
+        (`PerDeviceGradients`' rows on several processes gathered: every
+        process calls it at once)."""
+        route = getattr(self, "_device_route", None)
+        if route is None:
+            return [keras.ops.convert_to_numpy(v) for v in self.variables]
+        return [route.whole(v) if route.holds(v) else v.numpy() for v in self.variables]
 
     def set_weights(self, weights):
         """Sets every variable of `variables` (for `GradientAccumulation`
@@ -42,10 +47,31 @@ class StateMixin:
                 )
             variable.assign(weight)
 
+    def save_own_variables(self, store):
+        """Keras's, but a per-device window variable of a run on several
+        processes stores the rows this process holds (see `_state_value`)."""
+        for i, variable in enumerate(self.variables):
+            store[str(i)] = self._state_value(variable)
+
+    def _state_value(self, variable):
+        route = getattr(self, "_device_route", None)
+        if route is not None and route.holds(variable):
+            return route.local_rows(variable)
+        return variable.numpy()
+
+    def _assign_state(self, variable, value):
+        """`variable.assign(value)`, a per-device window variable's saved
+        rows (this process's, on several processes) placed back on them."""
+        route = getattr(self, "_device_route", None)
+        if route is not None and route.holds(variable):
+            value = route.rows_from(variable, value)
+        variable.assign(value)
+
     def load_own_variables(self, store):
         saved = len(store.keys())
         if saved == len(self.variables):
-            super().load_own_variables(store)
+            for i, variable in enumerate(self.variables):
+                self._assign_state(variable, store[str(i)])
         elif not self.built:
             # `load_weights` into a model compiled but not trained yet: the
             # state is restored when the optimizer is built (its first step).
@@ -91,4 +117,4 @@ class StateMixin:
             return
         with _backend.init_scope():  # once, eagerly, also when built while tracing
             for variable, value in zip(self.variables, state):
-                variable.assign(value)
+                self._assign_state(variable, value)

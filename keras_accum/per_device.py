@@ -13,7 +13,9 @@ hands the optimizer the devices' gradients as one `[devices, *shape]` array
 per variable, sharded over the batch axis. The optimizer keeps each
 device's window sums in variables of that shape and layout (the fold is
 local) and reduces them over the devices once, inside the window's end
-(`lax.cond`): what `tf.distribute` gives the TensorFlow driver.
+(`lax.cond`): what `tf.distribute` gives the TensorFlow driver. The devices
+may belong to several processes (`keras.distribution.initialize`): each
+process then holds, saves and loads the rows of its own devices.
 
 Only a batch is split: every other axis of the mesh must have one device.
 The forward pass runs on each device's shard, as under `MirroredStrategy`:
@@ -186,6 +188,50 @@ class DeviceRoute:
         variable = optimizer.add_variable(shape, "zeros", dtype, layout=layout, name=name)
         self._rows.add(id(variable))
         return variable
+
+    def holds(self, variable: keras.Variable) -> bool:
+        """Whether `variable` is a window variable made here (a row per device)."""
+        return id(variable) in self._rows
+
+    @staticmethod
+    def local_rows(variable: keras.Variable) -> Any:
+        """What a checkpoint keeps of a window variable: every row on one
+        process; on several, the rows of this process's devices, in order
+        (a process cannot read another's rows without a collective, and
+        Keras's callbacks save on each process on its own)."""
+        import numpy as np
+
+        value = variable.value
+        if getattr(value, "is_fully_addressable", True):
+            return np.asarray(value)
+        shards = sorted(value.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return np.concatenate([np.asarray(s.data) for s in shards])
+
+    def rows_from(self, variable: keras.Variable, value: Any) -> Any:
+        """A saved window variable (`local_rows`) as a value of `variable`:
+        the whole array as saved on one process; this process's rows,
+        placed on its devices, where the run has several processes."""
+        import jax
+        import numpy as np
+
+        value = np.asarray(value)
+        if value.shape[:1] == (self.devices,) or jax.process_count() == 1:
+            return value
+        sharding = variable.value.sharding
+        return jax.make_array_from_process_local_data(sharding, value, tuple(variable.shape))
+
+    @staticmethod
+    def whole(variable: keras.Variable) -> Any:
+        """Every row of a window variable as numpy (on several processes an
+        all-gather: every process must ask at once)."""
+        import numpy as np
+
+        value = variable.value
+        if getattr(value, "is_fully_addressable", True):
+            return np.asarray(value)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
     @staticmethod
     def total(values: list) -> list:
