@@ -403,3 +403,36 @@ def test_window_batch_norm_sums_every_devices_items():
     result = _run(BATCH_NORM)
     assert result["route"]
     assert result["relative"] < 1e-5, result
+
+
+def test_the_bench_script_times_four_arms_and_counts_the_bytes(tmp_path):
+    # scripts/per_device_bench.py, tiny: every arm timed in every round, the
+    # bytes per update from the parameter count (Keras's step: `steps`
+    # gradients per update; ours: one; InvariantAdam: m and v).
+    output = tmp_path / "bench.json"
+    runner = (
+        "import runpy, sys; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__'); print('RESULT {}')"
+    )
+    _run(
+        runner,
+        os.path.join(ROOT, "scripts", "per_device_bench.py"),
+        "--width=8",
+        "--depth=1",
+        "--micro_batch=8",
+        "--micro_batches=8",
+        "--rounds=2",
+        f"--output={output}",
+    )
+    result = json.loads(output.read_text())
+    arms = {"adam", "ga_keras_step", "ga_per_device", "ia_per_device"}
+    assert set(result["samples_ms"]) == arms
+    assert all(len(v) == 2 and min(v) > 0 for v in result["samples_ms"].values())
+    size = result["params"] * 4
+    assert result["bytes_all_reduced_per_update"] == {
+        "adam": size,
+        "ga_keras_step": 4 * size,
+        "ga_per_device": size,
+        "ia_per_device": 2 * size,
+    }
+    assert result["bytes_sent_per_device_per_update_ring"]["2"]["ga_keras_step"] == 4 * size
