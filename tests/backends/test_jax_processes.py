@@ -208,7 +208,7 @@ def uninterrupted(tmp_path_factory):
         (1, "one", {}),
         (2, "two", dict(dump=True)),
         (2, "two_mixin", dict(mixin=True, dump=True)),
-        (2, "ia_two", dict(mixin=True, optimizer="ia", steps=2)),
+        (2, "ia_two", dict(mixin=True, optimizer="ia", steps=2, dump=True)),
         (1, "ia_one", dict(optimizer="ia", steps=4, batch=8)),
         (1, "ia_one_quarters", dict(optimizer="ia", steps=8, batch=4)),
         (2, "four_mixin", dict(mixin=True, devices=2)),
@@ -283,11 +283,12 @@ def test_invariant_adam_counts_each_process_as_a_micro_batch(uninterrupted):
         assert _max_difference(_weights(_state(tmp, "ia_four", process)), one) < 1e-6
 
 
-@pytest.mark.parametrize("run", ["two", "two_mixin"])
+@pytest.mark.parametrize("run", ["two", "two_mixin", "ia_two"])
 def test_where_the_compiled_step_all_reduces_on_two_processes(uninterrupted, run):
     # The HLO of process 0's compiled step: Keras's route all-reduces every
     # gradient on every call (the control); the mixin's GA only scalars
-    # there, the parameters' sums only inside the window-end conditional.
+    # there, the parameters' sums only inside the window-end conditional;
+    # InvariantAdam's parts of m and v there too (twice the parameters).
     from tests.backends.test_per_device import all_reduce_sizes, branches, computations, reached
 
     tmp, _ = uninterrupted
@@ -306,7 +307,8 @@ def test_where_the_compiled_step_all_reduces_on_two_processes(uninterrupted, run
         assert max(sizes(every_call)) >= parameters, (parameters, sizes(every_call))
     else:
         assert sizes(every_call) and max(sizes(every_call)) <= 8, sizes(every_call)
-        assert sum(sizes(in_branches)) == parameters, (parameters, sizes(in_branches))
+        moments = 2 if run == "ia_two" else 1
+        assert sum(sizes(in_branches)) == moments * parameters, (parameters, sizes(in_branches))
 
 
 @pytest.mark.parametrize(
