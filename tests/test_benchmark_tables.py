@@ -171,3 +171,43 @@ def test_the_rule_functions_section_is_the_raw_files():
                 for run in (old, rows)
             ]
             assert " -> ".join(pair) in words, (backend, model, pair)
+
+
+def test_the_per_device_section_is_the_raw_file():
+    """Issue #49: every timing and ratio of "JAX: one reduction per window,
+    timed", and every byte count (from the parameter count: `steps` times
+    the gradient on Keras's step, once on ours, m and v for InvariantAdam)."""
+    raw = json.loads((ROOT / "docs/benchmarks/per_device/bench_2cpu.json").read_text())
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    section = text.split("## JAX: one reduction per window, timed")[1].split("\n## ")[0]
+    labels = {
+        "adam": "plain Adam (one update per micro-batch)",
+        "ga_keras_step": "`GradientAccumulation`, Keras's `train_step`",
+        "ga_per_device": "`GradientAccumulation`, `PerDeviceGradients`",
+        "ia_per_device": "`InvariantAdam`, `PerDeviceGradients`",
+    }
+
+    def cell(summary, digits):
+        return "{0:.{3}f} [{1:.{3}f}, {2:.{3}f}]".format(
+            summary["median"], summary["q1"], summary["q3"], digits
+        )
+
+    for arm, label in labels.items():
+        ms, ratio = raw["ms_per_micro_batch"][arm], raw["ratio_to_adam"][arm]
+        assert f"| {label} | {cell(ms, 2)} | {cell(ratio, 2)} |" in section, arm
+    assert f"{raw['params']:,} parameters" in section
+    size = raw["params"] * 4
+    per_update = raw["bytes_all_reduced_per_update"]
+    assert per_update == {
+        "adam": size,
+        "ga_keras_step": raw["steps"] * size,
+        "ga_per_device": size,
+        "ia_per_device": 2 * size,
+    }
+    labels["adam"] = "plain Adam at the big batch"
+    ring = raw["bytes_sent_per_device_per_update_ring"]
+    for arm, label in labels.items():
+        cells = [per_update[arm]] + [2 * (d - 1) / d * per_update[arm] for d in (2, 8, 64)]
+        assert [ring[str(d)][arm] for d in (2, 8, 64)] == cells[1:]
+        row = f"| {label} | " + " | ".join(f"{c / 1e6:.2f}" for c in cells) + " |"
+        assert row in section, row
