@@ -65,6 +65,17 @@ keeps what finished):
         cosine decay (lowest priority: the char LM's baseline decay is WSD).
     smoke: a few micro-batches.
 
+Added after the first runs (not in the protocol above; marked "added" in
+the tables):
+
+    mnist1d_spike_reference, charlm_spike_reference: kappa = 1 with WSD at
+        the warmups' new lrs, seeds 0-7. The spike is measured against
+        kappa = 1 at the same seed and examples; against the reference at
+        the borrowed lr the warmups at a lower lr "spike" in 8 of 8 seeds
+        on MNIST-1D because their loss is higher before the switch, at
+        kappa = 1. With these the spike is read against kappa = 1 at the
+        warmup's own lr (the two curves are the same run up to the switch).
+
     taskset -c 1 python3 scripts/schedule_controls.py --config saved_configs/schedule_control.py \
         --variant mnist1d_tune --workdir runs/control-mnist1d-tune
 """
@@ -136,6 +147,8 @@ VARIANTS = (
     "charlm_warmups_2",
     "charlm_tune_cosine",
     "charlm_control_cosine",
+    "mnist1d_spike_reference",
+    "charlm_spike_reference",
     "smoke",
 )
 
@@ -210,6 +223,12 @@ def get_config(variant="mnist1d_tune"):
         config.update(learning_rates=CHARLM_GRID, arms=_constant(("cosine",)), **tune)
     elif variant == "charlm_control_cosine":
         config.update(arms=_tuned(task, ("cosine",)), **eight)
+    elif variant.endswith("_spike_reference"):
+        arms = {
+            f"kappa=1 wsd lr {lr:g}": {"steps": 1, "decay": "wsd", "learning_rates": [lr]}
+            for lr in WARMUP_LRS[task]
+        }
+        config.update(arms=arms, **eight)
     else:
         config = _base("mnist1d_cnn")
         config.update(
