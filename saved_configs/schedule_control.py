@@ -75,6 +75,10 @@ the tables):
         on MNIST-1D because their loss is higher before the switch, at
         kappa = 1. With these the spike is read against kappa = 1 at the
         warmup's own lr (the two curves are the same run up to the switch).
+        The char LM's at 4.2e-3 only: at 3e-3 the controls' constant-lr
+        kappa = 1 (docs/batch_size_schedules/controls, seeds 0-7) is the
+        same run as kappa = 1 WSD at 3e-3 until WSD decays at micro-step
+        2458, past every spike window.
 
     taskset -c 1 python3 scripts/schedule_controls.py --config saved_configs/schedule_control.py \
         --variant mnist1d_tune --workdir runs/control-mnist1d-tune
@@ -226,7 +230,7 @@ def get_config(variant="mnist1d_tune"):
     elif variant.endswith("_spike_reference"):
         arms = {
             f"kappa=1 wsd lr {lr:g}": {"steps": 1, "decay": "wsd", "learning_rates": [lr]}
-            for lr in WARMUP_LRS[task]
+            for lr in WARMUP_LRS[task][task == "charlm" :]
         }
         config.update(arms=arms, **eight)
     else:
