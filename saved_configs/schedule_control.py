@@ -79,6 +79,9 @@ the tables):
         kappa = 1 (docs/batch_size_schedules/controls, seeds 0-7) is the
         same run as kappa = 1 WSD at 3e-3 until WSD decays at micro-step
         2458, past every spike window.
+    mnist1d_warmups_edge: the two warmups at 1.13e-2, seeds 0-7: on the
+        validation split 8e-3, the highest lr the warmups had run at, was
+        their best, so the protocol's edge rule adds the next point up.
 
     taskset -c 1 python3 scripts/schedule_controls.py --config saved_configs/schedule_control.py \
         --variant mnist1d_tune --workdir runs/control-mnist1d-tune
@@ -152,6 +155,7 @@ VARIANTS = (
     "charlm_tune_cosine",
     "charlm_control_cosine",
     "mnist1d_spike_reference",
+    "mnist1d_warmups_edge",
     "charlm_spike_reference",
     "smoke",
 )
@@ -227,6 +231,8 @@ def get_config(variant="mnist1d_tune"):
         config.update(learning_rates=CHARLM_GRID, arms=_constant(("cosine",)), **tune)
     elif variant == "charlm_control_cosine":
         config.update(arms=_tuned(task, ("cosine",)), **eight)
+    elif variant == "mnist1d_warmups_edge":
+        config.update(arms=_warmups([1.13e-2]), **eight)
     elif variant.endswith("_spike_reference"):
         arms = {
             f"kappa=1 wsd lr {lr:g}": {"steps": 1, "decay": "wsd", "learning_rates": [lr]}
