@@ -82,6 +82,9 @@ the tables):
     mnist1d_warmups_edge: the two warmups at 1.13e-2, seeds 0-7: on the
         validation split 8e-3, the highest lr the warmups had run at, was
         their best, so the protocol's edge rule adds the next point up.
+    mnist1d_warmups_edge_2: 1 -> 2 -> 4 at 1.6e-2, seeds 0-7: its best on
+        the validation split was again the highest lr run, 1.13e-2 (the
+        ramped 1 -> 4's is 8e-3, inside).
 
     taskset -c 1 python3 scripts/schedule_controls.py --config saved_configs/schedule_control.py \
         --variant mnist1d_tune --workdir runs/control-mnist1d-tune
@@ -156,6 +159,7 @@ VARIANTS = (
     "charlm_control_cosine",
     "mnist1d_spike_reference",
     "mnist1d_warmups_edge",
+    "mnist1d_warmups_edge_2",
     "charlm_spike_reference",
     "smoke",
 )
@@ -233,6 +237,9 @@ def get_config(variant="mnist1d_tune"):
         config.update(arms=_tuned(task, ("cosine",)), **eight)
     elif variant == "mnist1d_warmups_edge":
         config.update(arms=_warmups([1.13e-2]), **eight)
+    elif variant == "mnist1d_warmups_edge_2":
+        arms = {k: v for k, v in _warmups([1.6e-2]).items() if k.startswith("1->2->4")}
+        config.update(arms=arms, **eight)
     elif variant.endswith("_spike_reference"):
         arms = {
             f"kappa=1 wsd lr {lr:g}": {"steps": 1, "decay": "wsd", "learning_rates": [lr]}

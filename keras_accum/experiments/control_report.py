@@ -49,7 +49,15 @@ def folder(task, part):
 def parts(task):
     """This study's folders of `task` that hold runs, in the order run."""
     base = DOCS / "control" / TASKS[task]
-    names = ("control", "warmups", "warmups_2", "control_cosine", "spike_reference")
+    names = (
+        "control",
+        "warmups",
+        "warmups_edge",
+        "warmups_edge_2",
+        "warmups_2",
+        "control_cosine",
+        "spike_reference",
+    )
     return [base / n for n in names if (base / n / "config.json").exists()]
 
 
