@@ -555,6 +555,50 @@ def _task_section(task, title):
     return out
 
 
+def ledger():
+    """(planned arms run, planned arms not run, added arms run, [(folder,
+    runs, minutes)]) over both tasks."""
+    import json
+
+    planned = protocol().PROTOCOL["planned"]
+    ran, added, cost = [], [], []
+    for task in TASKS:
+        base = DOCS / "control" / TASKS[task]
+        for path in sorted(base.glob("*/summary.json")):
+            summary = json.loads(path.read_text())
+            cost.append((f"{TASKS[task]}/{path.parent.name}", summary["runs"], summary["seconds"]))
+        for path in parts(task):
+            for arm in {r["arm"] for r in cr.load(path)[1]}:
+                (ran if arm in planned[task] else added).append(f"{TASKS[task]}: {arm}")
+    missing = [f"{TASKS[t]}: {a}" for t in TASKS for a in planned[t]]
+    missing = [a for a in missing if a not in ran]
+    return sorted(ran), missing, sorted(added), cost
+
+
+def ledger_markdown():
+    ran, missing, added, cost = ledger()
+    runs = sum(n for _, n, _ in cost)
+    minutes = sum(s for _, _, s in cost) / 60
+    return "\n".join(
+        [
+            "**Planned, added, not run.** Planned and run (8 seeds each): "
+            + "; ".join(ran)
+            + ". Added after seeing earlier results (reasons in saved_configs/"
+            "schedule_control.py): "
+            + ("; ".join(added) or "none")
+            + ". Planned and not run (time): "
+            + ("; ".join(missing) or "none")
+            + ".",
+            "",
+            f"**Cost.** One shared core (taskset -c 1), TensorFlow one thread: {runs} runs "
+            f"(tuning included) in {minutes:.0f} min wall with the evaluations, per folder "
+            + ", ".join(f"{name} {n} runs {sec / 60:.1f} min" for name, n, sec in cost)
+            + ". Raw files: docs/batch_size_schedules/control/.",
+            "",
+        ]
+    )
+
+
 def section_markdown(extra=""):
     """The docs' section, numbers and tables from the committed files;
     `extra`: the hand-written paragraphs after the tables."""
@@ -582,6 +626,7 @@ def section_markdown(extra=""):
                     tuning_markdown(task),
                 ]
             )
+    out += [ledger_markdown()]
     return "\n".join(out) + extra
 
 
