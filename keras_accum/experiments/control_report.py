@@ -591,8 +591,8 @@ def ledger_markdown():
             + ".",
             "",
             f"**Cost.** One shared core (taskset -c 1), TensorFlow one thread: {runs} runs "
-            f"(tuning included), {minutes:.0f} min of process wall time with the evaluations, summed "
-            "(some processes shared the core), per folder "
+            f"(tuning included), {minutes:.0f} min of process wall time with the "
+            "evaluations, summed (some processes shared the core), per folder "
             + ", ".join(f"{name} {n} runs {sec / 60:.1f} min" for name, n, sec in cost)
             + ". Raw files: docs/batch_size_schedules/control/.",
             "",
