@@ -298,9 +298,43 @@ def spike_section(task):
         lines.append(
             f"* {arm}: over {window} evaluations {n} of {s} seeds peak above "
             f"{p['spike_threshold']}, {m} of {s} above {p['spike_threshold_also_reported']}; "
-            f"over 12, {n12} and {m12}"
+            f"over 12, {n12} and {m12}; before the switch the arm and its reference differ "
+            f"by at most {before_switch(task, arm):.1e} in test loss"
         )
+    unreferenced = [a for a in warmup_arms(task) if a not in wide]
+    if unreferenced:
+        lines.append(f"* no kappa = 1 run at the lr of {'; '.join(unreferenced)}: not counted")
     return "\n".join(lines) + "\n"
+
+
+def warmup_arms(task):
+    """This study's piecewise arms of `task`."""
+    return [
+        name
+        for path in parts(task)
+        for name, spec in cr.load(path)[0]["arms"].items()
+        if isinstance(spec["steps"], list)
+    ]
+
+
+def before_switch(task, arm):
+    """max |test loss of `arm` - its spike reference's| over the
+    evaluations up to its first switch, every seed (0: the same run)."""
+    for path in parts(task):
+        config, rows, _, _ = cr.load(path)
+        if arm in config["arms"]:
+            spec = config["arms"][arm]
+            break
+    ref_rows, ref = spike_reference(task, spec["learning_rates"][0])
+    at = spec["steps"][0][0] * MICRO_BATCH
+    theirs = cr.arm_curves(ref_rows, ref)
+    diffs = [
+        abs(p["test_loss"] - q["test_loss"])
+        for seed, points in cr.arm_curves(rows, arm).items()
+        for p, q in zip(points, theirs[seed])
+        if p["examples"] <= at
+    ]
+    return max(diffs)
 
 
 NAMES = {"1->2->4 at 512, 1024 wsd": "1 -> 2 -> 4", "1->4 at 512 ramp wsd": "the ramped 1 -> 4"}
