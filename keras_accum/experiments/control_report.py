@@ -443,6 +443,15 @@ def answer(task):
         + f" Against kappa = 2 the same warmups end {vs2}."
         + f" So, against kappa = 4: {VERDICT[verdict(intervals)]}."
     )
+    per = " and ".join(_lr(4 * w["lr"]) for w in f["warmups"].values())
+    made = " and ".join(f"{np.mean(w['entry']['updates']):.0f}" for w in f["warmups"].values())
+    parts_.append(
+        f"Per update, kappa = 4's tuned lr is {_lr(4 * k4['learning_rate'])}; the warmups' "
+        f"after their last switch {per}. The warmups make {made} serial updates (all-reduces) "
+        f"in all, kappa = 4 {np.mean(k4['updates']):.0f}, kappa = 2 "
+        f"{np.mean(k2['updates']):.0f}, kappa = 1 {np.mean(ref['updates']):.0f}; every arm "
+        "trains on the same examples."
+    )
     return " ".join(parts_)
 
 
