@@ -407,6 +407,10 @@ VERDICT = {
 }
 
 
+def _has_cosine(task):
+    return any("cosine" in a for p in parts(task) for a in cr.load(p)[0]["arms"])
+
+
 def answer(task):
     """One paragraph: does a warmup beat the constant larger batch at its
     own tuned decay on `task`, with the numbers."""
@@ -452,6 +456,15 @@ def answer(task):
         f"{np.mean(k2['updates']):.0f}, kappa = 1 {np.mean(ref['updates']):.0f}; every arm "
         "trains on the same examples."
     )
+    cos = {e["arm"]: e for e in entries(task, COSINE)[2]} if _has_cosine(task) else {}
+    if "kappa=4 cosine" in cos:
+        c2, c4 = cos["kappa=2 cosine"], cos["kappa=4 cosine"]
+        parts_.append(
+            f"With the cosine decay (no warmup ran with it in this study), kappa = 2 and 4 at "
+            f"their own tuned lrs ({_lr(c2['learning_rate'])}, {_lr(c4['learning_rate'])}) end "
+            f"{_ci(c2['welch'])} and {_ci(c4['welch'])} from kappa = 1 with cosine and reach "
+            f"its T + sigma in {_reached(c2)} and {_reached(c4)} of 8 seeds."
+        )
     return " ".join(parts_)
 
 
