@@ -158,7 +158,7 @@ def test_short_answer_and_readme_sentences_recompute_from_the_committed_files():
     )
     tuned = f"{mantissa}e{int(exponent)}"  # 8e-3
     doc = (
-        f"WSD tuned to {tuned}, 8 seeds), the finding holds: no warmup's final test loss is told "
+        f"WSD tuned to {tuned}, 8 seeds), no warmup's final test loss is told "
         f"apart from kappa = 1's (every interval includes 0; the seed noise is "
         f"{np.std(ref['final'], ddof=1) / np.mean(ref['final']):.0%} of the loss there), and the "
         f"fixed warmups reach its T + sigma in {min(reached)}-{max(reached)} of 8 seeds with "
@@ -169,10 +169,12 @@ def test_short_answer_and_readme_sentences_recompute_from_the_committed_files():
     assert doc in _words(DOC), doc
     assert all(abs(e / ref_examples - 1) < 0.1 for e in examples)  # "about as many"
     readme = (
-        f"WSD tuned to {tuned}, 8 seeds), the finding holds: no warmup ends significantly lower "
+        f"WSD tuned to {tuned}, 8 seeds), no warmup ends significantly lower "
         f"or higher, and the fixed ones reach the baseline's loss with "
         f"{100 * min(saves):.0f}-{max(saves):.0%} fewer serial updates and about as many examples "
-        f"({min(examples):.0f}-{max(examples):.0f} against {ref_examples:.0f})."
+        f"({min(examples):.0f}-{max(examples):.0f} against {ref_examples:.0f}): a bar they fail on "
+        f"the char LM, passed there because its T + sigma is loose (sigma is "
+        f"{np.std(ref['final'], ddof=1) / np.mean(ref['final']):.0%} of the loss)."
     )
     assert readme in _words(ROOT / "README.md"), readme
 
