@@ -64,9 +64,12 @@ class LastWindowMixin:
             if step >= end:
                 return 0
             start = end - size
-        # A flush inside this window (this process's record of it).
+        # A flush inside this window (this process's record of it; one
+        # from before a restore to an earlier micro-step does not count).
         flushed = self.__dict__.get("_flushed_at")
-        return step - (start if flushed is None else max(start, flushed))
+        if flushed is not None and start <= flushed <= step:
+            start = flushed
+        return step - start
 
     def flush(self) -> bool:
         """Applies the current window now, with what it holds, as its end
