@@ -133,6 +133,13 @@ def read_local(variable):
     return tf.identity(variable.read_value())
 
 
+def slot_name(reference, name):
+    """A slot's name after its model variable, as Keras's
+    `add_variable_from_reference` names it ("dense_kernel_momentum")."""
+    prefix = getattr(reference, "path", reference.name)
+    return f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
+
+
 def add_local_variable(optimizer, shape, dtype, name, reference=None):
     """A replica-local variable of `optimizer`: each replica holds its own
     part, a read in cross-replica context (or a checkpoint) sees the sum,
@@ -142,8 +149,7 @@ def add_local_variable(optimizer, shape, dtype, name, reference=None):
     `keras.distribution` (JAX)."""
     colocate = contextlib.nullcontext()
     if reference is not None:
-        prefix = getattr(reference, "path", reference.name)
-        name = f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
+        name = slot_name(reference, name)
     if not _backend.IS_TENSORFLOW:  # one device's worth of state
         # Under `keras.distribution` it takes its reference's layout, as a
         # slot of `add_variable_from_reference` does (without, the

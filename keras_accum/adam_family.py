@@ -6,7 +6,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_accum import _compat, equations
+from keras_accum import _compat, _replicas, equations
 from keras_accum.base import AccumulationOptimizer
 from keras_accum.validation import check_choice, check_float, check_rate
 
@@ -86,12 +86,11 @@ class AdamFamily(AccumulationOptimizer):
         dtype = self._slot_dtype(variable.dtype)
         if dtype == keras.backend.standardize_dtype(variable.dtype):
             return self.add_variable_from_reference(variable, name)
-        prefix = getattr(variable, "path", variable.name).replace("/", "_").replace(":", "_")
         layout = _compat.variable_layout(variable)
         return self.add_variable(
             shape=variable.shape,
             dtype=dtype,
-            name=f"{prefix}_{name}",
+            name=_replicas.slot_name(variable, name),
             **({} if layout is None else {"layout": layout}),
         )
 

@@ -169,6 +169,7 @@ class AccumulationOptimizer(
         # `model.fit` builds the optimizer before its first `apply`: a
         # strategy mix-up must be named here, before TensorFlow fails on it.
         self._check_strategy()
+        self._processes()  # PyTorch processes: asked once, here, off the step
         # And a schedule's micro-batch, before anything is created (under
         # JAX also before `fit` moves the variables into its state).
         if isinstance(self.steps, StepsSchedule):

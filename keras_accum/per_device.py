@@ -34,7 +34,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_accum import _backend, _compat, kernels
+from keras_accum import _backend, _compat, _replicas, kernels
 
 __all__ = ["PerDeviceGradients"]
 
@@ -183,8 +183,7 @@ class DeviceRoute:
         layout = keras.distribution.TensorLayout(
             (self.axis,) + (None,) * len(reference.shape), self.mesh
         )
-        prefix = getattr(reference, "path", reference.name)
-        name = f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
+        name = _replicas.slot_name(reference, name)
         variable = optimizer.add_variable(shape, "zeros", dtype, layout=layout, name=name)
         self._rows.add(id(variable))
         return variable

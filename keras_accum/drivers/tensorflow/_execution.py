@@ -29,7 +29,7 @@ import weakref
 
 import keras
 
-from keras_accum import _compat, _replicas, equations, nonfinite
+from keras_accum import _compat, _replicas, nonfinite
 from keras_accum._backend import tf
 
 
@@ -344,14 +344,6 @@ def _elementwise_finite(tensors):
 def _elements(tensor):
     count = tf.TensorShape(tensor.shape).num_elements()
     return SMALL if count is None else count
-
-
-def minus(theta, delta, decay=None):
-    """decayed(theta) - delta (`decay`: None or `equations.decayed`'s pair)
-    for a float32 delta of a bfloat16 or float16 theta: rounded once."""
-    wide = tf.cast(theta, delta.dtype)
-    wide = wide if decay is None else equations.decayed(wide, *decay)
-    return tf.cast(wide - delta, theta.dtype)
 
 
 def refuse_raise_under_xla(name):

@@ -13,7 +13,7 @@ the rule's `alpha` and `step` run on each variable's devices.
 
 import functools
 
-from keras_accum import _compat, _replicas, equations
+from keras_accum import _compat, _replicas, equations, kernels
 from keras_accum._backend import tf
 from keras_accum.drivers.tensorflow import _execution
 
@@ -119,7 +119,7 @@ class InvariantAdamForm:
             step = self.step(m, v, alpha, self.epsilon)
             decay = self._decay_of(variable, learning_rate)
             theta = tf.convert_to_tensor(variable)
-            writes.assign(variable, _execution.minus(theta, step, decay))
+            writes.assign(variable, kernels.minus(theta, step, decay))
             return
         self._decay(variable, tf.cast(learning_rate, variable.dtype))
         # theta = theta - alpha_k m / (sqrt(v) + epsilon)

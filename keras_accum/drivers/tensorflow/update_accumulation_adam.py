@@ -10,7 +10,7 @@ gradients are summed over the replicas first, and every replica then runs
 v, A (and, with `steps=1`, the variable: Keras's Adam, op for op).
 """
 
-from keras_accum import _compat, _replicas, equations
+from keras_accum import _compat, _replicas, equations, kernels
 from keras_accum._backend import tf
 from keras_accum.drivers.tensorflow import _execution
 
@@ -114,7 +114,7 @@ class UpdateAccumulationAdamForm:
                 if update.dtype != variable.dtype:  # float32 A of a bfloat16 variable
                     decay = self._decay_of(variable, learning_rate)
                     theta = tf.convert_to_tensor(variable)
-                    writes.assign(variable, _execution.minus(theta, update, decay))
+                    writes.assign(variable, kernels.minus(theta, update, decay))
                     return
                 self._decay(variable, tf.cast(learning_rate, variable.dtype))
                 # theta = theta - A
