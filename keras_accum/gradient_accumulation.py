@@ -266,9 +266,14 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         # (A skipped micro-batch comes as zeros; under "skip_window" the
         # driver may let a NaN through, to check the sums at the window's end.)
         grads = [ops.cast(g, "float32") for g in grads]
-        scale, share = self.weights(weight)
-        if scale is not None:
-            grads = [scale * g for g in grads]
+        route = self._device_route
+        if route is not None and isinstance(weight, weighing.ReplicaItems):
+            # `weigh_micro_batches` on a row per device: each its own count.
+            grads, share = route.weighed(grads, *self.weights(weight, route.devices))
+        else:
+            scale, share = self.weights(weight)
+            if scale is not None:
+                grads = [scale * g for g in grads]
         # S = w g at the window's start, else S + w g; W likewise with w
         # (none for a skipped micro-batch).
         kernels.window_sums(self._accumulators_of(variables), grads, start)

@@ -17,24 +17,25 @@ local) and reduces them over the devices once, inside the window's end
 may belong to several processes (`keras.distribution.initialize`): each
 process then holds, saves and loads the rows of its own devices.
 
-Only a batch is split: every other axis of the mesh must have one device.
-The forward pass runs on each device's shard, as under `MirroredStrategy`:
-a `BatchNormalization` normalizes with its device's statistics (Keras's
-layer's moving statistics are averaged over the devices;
-`keras_accum.layers.BatchNormalization` sums its window's terms over them,
-`summed_over_devices`), each device draws its own
-dropout masks (a seed generator's count moves as on one device), and the
-loss, the compiled loss's trackers and the metrics see the whole batch.
+Under `ModelParallel` the other axes of the mesh stay XLA's: the step is
+manual over the batch axis only (`shard_map`'s `axis_names`), each
+parameter keeps its layout, and each row of a window variable is laid out
+as its parameter. The forward pass runs on each device's shard, as under
+`MirroredStrategy`: a `BatchNormalization` normalizes with its device's
+statistics (Keras's layer's moving statistics are averaged over the
+devices; `keras_accum.layers.BatchNormalization` sums its window's terms
+over them, `summed_over_devices`), each device draws its own dropout
+masks (a seed generator's count moves as on one device), and the loss,
+the compiled loss's trackers and the metrics see the whole batch.
 """
 
 import contextvars
-import warnings
 from typing import Any
 
 import keras
 from keras import ops
 
-from keras_accum import _backend, _compat, _replicas, kernels
+from keras_accum import _backend, _compat, _replicas, kernels, weighing
 
 __all__ = ["PerDeviceGradients"]
 
@@ -124,8 +125,7 @@ class DeviceRoute:
     @classmethod
     def of_distribution(cls) -> "DeviceRoute | None":
         """The route of the `keras.distribution` in scope: None without one
-        or with one device on the batch axis; None and a warning where
-        another axis of the mesh has several devices."""
+        or with one device on the batch axis."""
         distribution = keras.distribution.distribution()
         if distribution is None:
             return None
@@ -136,14 +136,6 @@ class DeviceRoute:
             return None
         sizes = dict(zip(names, mesh.shape))
         if int(sizes[axis]) < 2:
-            return None
-        if any(int(size) > 1 for name, size in sizes.items() if name != axis):
-            warnings.warn(
-                "PerDeviceGradients differentiates each device's shard along the batch "
-                f"axis only; the mesh {sizes} splits another axis too, so Keras's "
-                "train_step (one gradient all-reduce per step) runs instead.",
-                stacklevel=3,
-            )
             return None
         return cls(mesh, axis, int(sizes[axis]))
 
@@ -177,12 +169,19 @@ class DeviceRoute:
         name: str,
         dtype: str = "float32",
     ) -> keras.Variable:
-        """A window variable of shape [devices, *reference.shape], one row
-        per device, sharded over the batch axis."""
+        """A window variable of shape `[devices, *reference.shape]`, one row
+        per device, sharded over the batch axis and each row as `reference`
+        (a `ModelParallel` layout's axes)."""
         shape = (self.devices, *reference.shape)
-        layout = keras.distribution.TensorLayout(
-            (self.axis,) + (None,) * len(reference.shape), self.mesh
-        )
+        axes = _layout_axes(reference)
+        if self.axis in axes:
+            raise ValueError(
+                f"PerDeviceGradients keeps one row per device along the batch axis "
+                f"{self.axis!r}, which the layout of {reference.path!r} already shards "
+                f"(axes {axes}): lay the variable out over other axes of the mesh, or use "
+                "a model without PerDeviceGradients."
+            )
+        layout = keras.distribution.TensorLayout((self.axis, *axes), self.mesh)
         name = _replicas.slot_name(reference, name)
         variable = optimizer.add_variable(shape, "zeros", dtype, layout=layout, name=name)
         self._rows.add(id(variable))
@@ -233,6 +232,15 @@ class DeviceRoute:
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
     @staticmethod
+    def weighed(rows: list, scale: Any, share: Any) -> tuple:
+        """Under `weigh_micro_batches`: `[devices, *shape]` gradients, each
+        row times its device's scale, and the devices' shares summed (what
+        the micro-batch adds to the window's weight W); `scale` and `share`
+        `GradientAccumulation.weights` of the devices' counts."""
+        column = lambda g: ops.reshape(scale, (-1,) + (1,) * (len(g.shape) - 1))  # noqa: E731
+        return [column(g) * g for g in rows], ops.sum(ops.broadcast_to(share, (len(rows[0]),)))
+
+    @staticmethod
     def total(values: list) -> list:
         """Each `[devices, *shape]` value summed over its devices: the one
         reduction of a window (in the window's end branch)."""
@@ -261,11 +269,9 @@ class DeviceRoute:
         import jax
         from jax.sharding import PartitionSpec
 
-        if getattr(model.optimizer, "_fit_items", None) is not None:
-            raise ValueError(
-                "weigh_micro_batches counts each device's items, which PerDeviceGradients "
-                "does not hand the optimizer yet: use one or the other."
-            )
+        # `weigh_micro_batches`: the loss on each device records its shard's
+        # count (inside the shard_map); the optimizer takes one per device.
+        items = getattr(model.optimizer, "_fit_items", None)
 
         trainable, non_trainable, optimizer_values, metrics_values = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -317,6 +323,11 @@ class DeviceRoute:
             finally:
                 _AXIS.reset(token)
             loss, y_pred, new_non_trainable, new_metrics = aux
+            count = None if items is None else items.traced
+            if items is not None:
+                items.traced = None  # a value of this trace: handed out below
+            count = weighing.UNSET if count is None else count
+            count = _varying_over(axis, ops.cast(ops.reshape(count, (1,)), "float32"))
             new_non_trainable = [
                 old + (new - shifted) if seed else new
                 for seed, old, shifted, new in zip(seeds, given, non_trainable, new_non_trainable)
@@ -333,6 +344,7 @@ class DeviceRoute:
                 y_pred,
                 [agreed(v) for v in new_non_trainable],
                 new_metrics,
+                count,
             )
 
         # The per-device rows stay out (only `scale_loss` reads the
@@ -340,12 +352,15 @@ class DeviceRoute:
         rows = [id(v) in self._rows for v in model.optimizer.variables]
         shapes = [v.shape for v in model.optimizer.variables]
         optimizer_inputs = [None if row else v for row, v in zip(rows, optimizer_values)]
-        grads, loss, y_pred, non_trainable, metrics_values = jax.shard_map(
+        grads, loss, y_pred, non_trainable, metrics_values, counts = jax.shard_map(
             local,
             mesh=self.mesh.backend_mesh,
             in_specs=(whole, whole, whole, whole, split, split, split),
-            out_specs=(split, whole, split, whole, whole),
+            out_specs=(split, whole, split, whole, whole, split),
+            axis_names={axis},  # manual over the batch; a model axis stays XLA's
         )(trainable, non_trainable, metrics_values, optimizer_inputs, x, y, sample_weight)
+        if items is not None:
+            items.traced = counts  # [devices]: what `apply` takes
         trainable, optimizer_values = model.optimizer.stateless_apply(
             optimizer_values, grads, trainable
         )
@@ -353,6 +368,18 @@ class DeviceRoute:
             model, metrics_values, loss, x, y, y_pred, sample_weight
         )
         return logs, (trainable, non_trainable, optimizer_values, metrics_values)
+
+
+def _layout_axes(variable: keras.Variable) -> tuple:
+    """The mesh axes `variable` is sharded over, one entry per dimension
+    (None: not sharded), from the layout Keras gave it (a `TensorLayout`,
+    or a JAX `NamedSharding` where one was given as the layout)."""
+    layout = _compat.variable_layout(variable)
+    axes = getattr(layout, "axes", None)
+    if axes is None:
+        axes = getattr(layout, "spec", None) or ()
+    axes = tuple(axes)
+    return axes + (None,) * (len(variable.shape) - len(axes))
 
 
 # Apart enough that two devices' seeds never meet (a seed is a uint32 or int).

@@ -172,7 +172,10 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     weighed = _WeighedLoss(compiled, reduction, items)
     _compat.set_compiled_loss(model, weighed)
     items.weighed_model = weakref.ref(model)
-    model.make_train_function(force=True)  # trace again with the weighed loss
+    # Traced again, with the weighed loss, by the next `fit`: not here, where
+    # under JAX's `keras.distribution` it would fix the shardings of an
+    # optimizer `fit` has not built yet.
+    model.train_function = None
     return model
 
 
@@ -237,7 +240,9 @@ class FitItems:
         in the same trace: the count (a value of that trace, computed from
         the batch's sample weights or mask, not from the weights being
         differentiated) is handed over as it is and taken by `take` in the
-        same trace."""
+        same trace. Under `PerDeviceGradients` each device's loss records
+        its shard's count inside the per-device step, which hands `take`
+        the devices' counts, one per row (`DeviceRoute.train_step`)."""
         items = ops.cast(items, "float32")
         if self.variable is None:
             self.traced = items

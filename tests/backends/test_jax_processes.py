@@ -289,16 +289,13 @@ def test_where_the_compiled_step_all_reduces_on_two_processes(uninterrupted, run
     # gradient on every call (the control); the mixin's GA only scalars
     # there, the parameters' sums only inside the window-end conditional;
     # InvariantAdam's parts of m and v there too (twice the parameters).
-    from tests.backends.test_per_device import all_reduce_sizes, branches, computations, reached
+    from tests.backends.test_per_device import all_reduce_sizes, step_parts
 
     tmp, _ = uninterrupted
     parameters = sum(w.size for w in _weights(_state(tmp, run, 0)))
     files = sorted((tmp / run / "hlo_0").glob("*jit_train_step*after_optimizations.txt"))
     assert len(files) == 1, files
-    blocks, entry = computations(files[0].read_text())
-    every_call = reached(blocks, [entry], follow_branches=False)
-    conditional = [b for name in every_call for b in branches(blocks[name])]
-    in_branches = reached(blocks, conditional, follow_branches=True) - every_call
+    blocks, every_call, in_branches = step_parts(files[0])
 
     def sizes(names):
         return [size for name in sorted(names) for size in all_reduce_sizes(blocks[name])]

@@ -22,11 +22,11 @@ pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 
-def _run(script, *arguments, xla_flags=""):
+def _run(script, *arguments, xla_flags="", devices=2):
     env = dict(
         os.environ,
         KERAS_BACKEND="jax",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {xla_flags}".strip(),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip(),
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
     )
     out = subprocess.run(
@@ -134,6 +134,17 @@ def reached(blocks, roots, follow_branches):
     return seen
 
 
+def step_parts(path):
+    """({name: lines}, the computations that run on every call of a compiled
+    step's optimized HLO at `path`, those reached only through a
+    conditional's branches)."""
+    blocks, entry = computations(path.read_text())
+    assert entry is not None and blocks[entry], sorted(blocks)
+    every_call = reached(blocks, [entry], follow_branches=False)
+    conditional = [b for name in every_call for b in branches(blocks[name])]
+    return blocks, every_call, reached(blocks, conditional, follow_branches=True) - every_call
+
+
 def train_step_reductions(arm, tmp_path):
     """(parameters, the all-reduce sizes of what runs on every call: ENTRY
     and what it calls outside a conditional; those of the conditionals'
@@ -143,11 +154,7 @@ def train_step_reductions(arm, tmp_path):
     parameters = _run(HLO_SCRIPT, arm, xla_flags=flags)["parameters"]
     files = sorted(dump.glob("*jit_train_step*after_optimizations.txt"))
     assert len(files) == 1, files  # one shape of batch: one compiled step
-    blocks, entry = computations(files[0].read_text())
-    assert entry is not None and blocks[entry], sorted(blocks)
-    every_call = reached(blocks, [entry], follow_branches=False)
-    conditional = [b for name in every_call for b in branches(blocks[name])]
-    in_branches = reached(blocks, conditional, follow_branches=True) - every_call
+    blocks, every_call, in_branches = step_parts(files[0])
     sizes = lambda names: [size for n in sorted(names) for size in all_reduce_sizes(blocks[n])]  # noqa: E731
     return parameters, sizes(every_call), sizes(in_branches)
 
@@ -203,14 +210,20 @@ def test_update_accumulation_adam_keeps_keras_reduction(tmp_path):
 
 # -- what the route trains to -------------------------------------------------
 
-TRAIN_SCRIPT = """
-import json, warnings, numpy as np, keras, keras_accum as ka
+# What the training scripts share: the devices, 64 rows of data, the model.
+PRELUDE = """
+import json, sys, warnings, numpy as np, keras, keras_accum as ka
 devices = keras.distribution.list_devices()
-assert len(devices) == 2
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 5)).astype("float32"); y = rng.normal(size=(64, 1)).astype("float32")
 class Net(ka.PerDeviceGradients, keras.Sequential):
     pass
+"""
+
+TRAIN_SCRIPT = (
+    PRELUDE
+    + """
+assert len(devices) == 2
 def fit(split, mixin, optimizer, batch_size, hidden=True):
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=devices) if split else None)
@@ -245,6 +258,31 @@ scaled = dict(scaling_rule="invariant", beta_2=0.99, use_ema=True, weight_decay=
 ia = lambda steps: lambda: ka.InvariantAdam(1e-3, steps=steps, **scaled)
 runs["ia_scaled_route"] = fit(True, True, ia(2), 16)
 runs["ia_scaled_one_device"] = fit(False, False, ia(4), 8)
+# weigh_micro_batches: each device's own count, under a token mean with
+# zero weights and a short last batch (56 rows: micro-batches 16, 16, 16
+# and 8, windows of 2): the big batches of 32 and 24 exactly.
+sw = (rng.random(56) > 0.3).astype("float32")
+token_mean = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+def weighed(split, mixin, optimizer, batch_size, weigh):
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=devices) if split else None)
+    keras.utils.set_random_seed(0)
+    model = (Net if mixin else keras.Sequential)(
+        [keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer(), loss=token_mean)
+    if weigh:
+        ka.weigh_micro_batches(model)
+    model.fit(x[:56], y[:56], sample_weight=sw, batch_size=batch_size, epochs=2,
+              shuffle=False, verbose=0)
+    return dict(weights=[w.tolist() for w in model.get_weights()],
+                route=model.optimizer._device_route is not None
+                if hasattr(model.optimizer, "_device_route") else False)
+ga2 = lambda: ka.GradientAccumulation(adam(), steps=2)
+runs["weighed_route"] = weighed(True, True, ga2, 16, True)
+runs["unweighed_route"] = weighed(True, True, ga2, 16, False)
+runs["weighed_big_batch"] = weighed(False, False, adam, 32, False)
+# Keras's step under DataParallel (no mixin) weighs the global batch's count.
+runs["weighed_keras_step"] = weighed(True, False, ga2, 16, True)
 # Dropout: each device draws its own mask, the seed's count moves as on
 # one device (one draw per step); the accumulator's rows are the devices'.
 keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
@@ -289,6 +327,7 @@ runs["two_outputs"] = dict(
     loaded_route=loaded.optimizer._device_route is not None)
 print("RESULT", json.dumps(runs))
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +348,21 @@ def test_gradient_accumulation_per_device_is_the_big_batch(runs):
     # The loss and the metrics see the whole batch, as Keras's step does.
     for name, values in runs["ga_today"]["history"].items():
         np.testing.assert_allclose(route["history"][name], values, rtol=1e-6)
+
+
+def test_weigh_micro_batches_counts_each_devices_items(runs):
+    route, big = runs["weighed_route"], runs["weighed_big_batch"]
+    assert route["route"]
+    assert _max_difference(route["weights"], big["weights"]) < 1e-5
+    # Keras's step (no mixin) under DataParallel: `weigh_micro_batches`
+    # traced the train function before `fit` built the optimizer, whose
+    # shardings it then lacked, and failed; now the same big batch.
+    assert _max_difference(runs["weighed_keras_step"]["weights"], big["weights"]) < 1e-5
+    # Without the counts the window is the mean of its micro-batches' means:
+    # the control, which the big batch tells apart.
+    unweighed = runs["unweighed_route"]
+    assert unweighed["route"]
+    assert _max_difference(unweighed["weights"], big["weights"]) > 1e-4
 
 
 def test_update_accumulation_adam_under_the_mixin_is_keras_step(runs):
@@ -364,6 +418,173 @@ def test_two_outputs_log_as_keras_and_resume_from_a_saved_model(runs):
     # sums, trained one more epoch: as the model that never stopped.
     assert run["loaded_route"]
     assert _max_difference(run["loaded"], run["weights"]) == 0.0
+
+
+# -- ModelParallel: a batch axis and a model axis ------------------------------
+
+MODEL_PARALLEL = (
+    PRELUDE
+    + """
+assert len(devices) == 4
+def model_parallel(batch_axis_too=False):
+    # 2 x 2: the batch split over 'batch', the hidden layer over 'model'.
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["net/hidden/kernel"] = (None, "model")
+    layout_map["net/hidden/bias"] = ("batch",) if batch_axis_too else ("model",)
+    layout_map["net/out/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+OPTIMIZERS = {
+    "adam": lambda steps: keras.optimizers.Adam(0.01),
+    "ga": lambda steps: ka.GradientAccumulation(keras.optimizers.Adam(0.01), steps=steps),
+    "ia": lambda steps: ka.InvariantAdam(0.01, steps=steps),
+}
+def fit(distribution, arm, steps, batch_size):
+    keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(0)
+    model = Net(name="net", layers=[
+        keras.Input((5,)), keras.layers.Dense(64, activation="tanh", name="hidden"),
+        keras.layers.Dense(1, name="out")])
+    optimizer = OPTIMIZERS[arm](steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return model, optimizer, [str(w.message) for w in caught]
+def spec(variable):
+    return [list(a) if isinstance(a, tuple) else a for a in variable.value.sharding.spec]
+mode = sys.argv[1]
+if mode == "hlo":
+    model, optimizer, _ = fit(model_parallel(), sys.argv[2], 4, 16)
+    import jax
+    first = jax.devices()[0]
+    shard = sum(s.data.size for v in model.trainable_variables
+                for s in v.value.addressable_shards if s.device == first)
+    result = dict(shard=shard, route=getattr(optimizer, "_device_route", None) is not None)
+else:
+    result = {}
+    for arm, steps, reference_steps, reference_batch in (("ga", 4, 1, 64), ("ia", 2, 4, 8)):
+        model, optimizer, caught = fit(model_parallel(), arm, steps, 16)
+        reference, _, _ = fit(None, arm, reference_steps, reference_batch)
+        rows = {v.path: spec(v) for v in optimizer.variables if optimizer._device_route.holds(v)}
+        result[arm] = dict(
+            route=optimizer._device_route is not None, warnings=caught, rows=rows,
+            parameters={v.path: spec(v) for v in model.trainable_variables},
+            difference=max(float(np.max(np.abs(a - b)))
+                           for a, b in zip(model.get_weights(), reference.get_weights())))
+    try:
+        fit(model_parallel(batch_axis_too=True), "ga", 4, 16)
+        result["error"] = None
+    except ValueError as e:
+        result["error"] = str(e)
+print("RESULT", json.dumps(result))
+"""
+)
+
+
+def replica_groups(line):
+    """The device groups an all-reduce line reduces over, as a set of
+    frozensets, from any of XLA's three spellings: explicit
+    ``{{0,2},{1,3}}``, iota ``[2,2]<=[2,2]T(1,0)``, or the named mesh
+    ``mesh['axis_0'=2,'axis_1'=2] {'axis_0'}``."""
+    found = re.search(r"replica_groups=(\{\{[0-9,{}]*\}\})", line)
+    if found:
+        groups = re.findall(r"\{([0-9,]+)\}", found.group(1))
+        return {frozenset(int(d) for d in g.split(",")) for g in groups}
+    found = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
+    if found:
+        shape, dims = [[int(d) for d in g.split(",")] for g in found.groups()[:2]]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if found.group(3):
+            ids = ids.transpose([int(d) for d in found.group(3).split(",")])
+        return {frozenset(row.tolist()) for row in ids.reshape(shape)}
+    found = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    assert found, line  # a spelling this reader does not know fails here
+    axes = re.findall(r"'(\w+)'=(\d+)", found.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    reduced = [names.index(a) for a in re.findall(r"'(\w+)'", found.group(2))]
+    kept = [i for i in range(len(names)) if i not in reduced]
+    ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(kept + reduced)
+    rows = ids.reshape(-1, math.prod(sizes[i] for i in reduced))
+    return {frozenset(row.tolist()) for row in rows}
+
+
+def test_the_replica_group_reader_reads_the_three_spellings():
+    batch, model = {frozenset({0, 2}), frozenset({1, 3})}, {frozenset({0, 1}), frozenset({2, 3})}
+    assert replica_groups("x = f32[] all-reduce(y), replica_groups={{0,2},{1,3}}, to") == batch
+    assert replica_groups("replica_groups=[2,2]<=[4], use") == model
+    assert replica_groups("replica_groups=[2,2]<=[2,2]T(1,0), use") == batch
+    assert replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}, u") == batch
+    three = "replica_groups=mesh['axis_0'=2,'axis_1'={},'axis_2'={}] {{'{}'}}"
+    assert replica_groups(three.format(1, 2, "axis_0")) == batch
+    assert replica_groups(three.format(2, 1, "axis_1")) == model
+    with pytest.raises(AssertionError):
+        replica_groups("replica_groups=something_new")
+
+
+BATCH_GROUPS = {frozenset({0, 2}), frozenset({1, 3})}  # mesh (2, 2): 'batch' first
+MODEL_GROUPS = {frozenset({0, 1}), frozenset({2, 3})}
+
+
+def model_parallel_reductions(arm, tmp_path):
+    """(elements of each parameter on one device, the batch-axis all-reduce
+    sizes on every call, those in the conditionals' branches) of the
+    compiled train step of `arm` under ModelParallel on a 2 x 2 mesh; every
+    all-reduce is over the batch axis or the model axis."""
+    dump = tmp_path / arm
+    flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+    result = _run(MODEL_PARALLEL, "hlo", arm, xla_flags=flags, devices=4)
+    assert result["route"] == (arm != "adam")
+    files = sorted(dump.glob("*jit_train_step*after_optimizations.txt"))
+    assert len(files) == 1, files
+    blocks, every_call, in_branches = step_parts(files[0])
+
+    def batch_sizes(names):
+        sizes = []
+        for name in sorted(names):
+            for line in blocks[name]:
+                if not re.search(r"all-reduce(?:-start)?\(", line):
+                    continue
+                groups = replica_groups(line)
+                assert groups in (BATCH_GROUPS, MODEL_GROUPS), line
+                if groups == BATCH_GROUPS:
+                    sizes += all_reduce_sizes([line])
+        return sizes
+
+    return result["shard"], batch_sizes(every_call), batch_sizes(in_branches)
+
+
+@pytest.mark.parametrize("arm, moments", [("adam", 0), ("ga", 1), ("ia", 2)])
+def test_model_parallel_reduces_over_the_batch_axis_once_per_window(arm, moments, tmp_path):
+    shard, entry, in_branches = model_parallel_reductions(arm, tmp_path)
+    # Per device: the hidden layer's half (5 x 32 + 32), out's kernel half
+    # (32) and its whole bias (1).
+    assert shard == 5 * 32 + 32 + 32 + 1
+    if arm == "adam":  # the control: Keras's step reduces the gradients every step
+        assert max(entry) >= shard, (shard, entry)
+        return
+    assert entry and max(entry) <= 8, (shard, entry)
+    # One device's part of the sums (GA) or of m and v (IA), each sharded
+    # over the model axis as its parameter.
+    assert sum(in_branches) == moments * shard, (shard, in_branches)
+
+
+def test_model_parallel_trains_as_one_device_with_rows_laid_out_as_parameters():
+    result = _run(MODEL_PARALLEL, "train", devices=4)
+    for arm in ("ga", "ia"):
+        run = result[arm]
+        assert run["route"] and not run["warnings"], run
+        # GA: the big batch of 64; IA: kappa = steps x 2 devices = 4
+        # micro-batches of 8, as one device with steps=4.
+        assert run["difference"] < 1e-5, (arm, run["difference"])
+        assert len(run["rows"]) == {"ga": 4, "ia": 8}[arm], run["rows"]
+        for path, row_spec in run["rows"].items():
+            parameter = next(p for p in run["parameters"] if p.replace("/", "_") in path)
+            assert row_spec == ["batch", *run["parameters"][parameter]], (path, row_spec)
+        # The layout map held: the hidden layer is split over 'model'.
+        assert run["parameters"]["net/hidden/kernel"] == [None, "model"], run["parameters"]
+    error = result["error"]
+    assert error and "'batch'" in error and "net/hidden/bias" in error, error
 
 
 BATCH_NORM = """
