@@ -62,8 +62,8 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
     one part per device (their sum is the moment) and summed over the
     devices once per window, inside the window's end (a `cond`); nothing
     parameter-sized is communicated on the other micro-batches. There
-    Keras's clipping arguments are refused (the per-device clip is not
-    written yet), and the state saved has one row per device.
+    Keras's clipping arguments clip each device's micro-batch, and the
+    state saved has one row per device.
 
     Conventions:
 
@@ -337,10 +337,14 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
         velocities = [self._velocities[i] for i in indices]
         # (A skipped micro-batch comes as zeros: a zero gradient in the window.)
         grads = [ops.cast(g, m.dtype) for g, m in zip(grads, momentums)]
-        grads = self._clip_micro_batch(grads, 1)
         # Per device (`PerDeviceGradients`): each row of `grads` is its
         # device's share g_d / devices, folded into that device's part.
         devices = self._devices()
+        route = self._device_route
+        if route is not None and self._clips():  # each device's micro-batch clipped
+            grads = route.each_row(lambda row: self._clip_micro_batch(row, devices), grads)
+        else:
+            grads = self._clip_micro_batch(grads, 1)
         steps, rate_1, rate_2 = self._window_factors(devices)
         if self._single_step() and devices == 1:  # Keras Adam's form and rounding
             kernels.adam_moments(momentums, velocities, grads, rate_1, rate_2)

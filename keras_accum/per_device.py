@@ -144,16 +144,6 @@ class DeviceRoute:
         its window variables are made when it is)."""
         if not getattr(optimizer, "_per_device_sums", False):
             return False
-        if any(
-            getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")
-        ):
-            if not getattr(optimizer, "_steps_inner", False):  # GA's inner optimizer clips the mean
-                raise ValueError(
-                    f"{type(optimizer).__name__} clips each micro-batch's gradient; under "
-                    "PerDeviceGradients each device's gradient is one, which it does not "
-                    "clip yet. Drop clipnorm/clipvalue/global_clipnorm, or use a model "
-                    f"without PerDeviceGradients. Received: optimizer={optimizer!r}"
-                )
         if optimizer.built:
             raise ValueError(
                 f"{type(optimizer).__name__} was built before this model's compile: "
@@ -239,6 +229,16 @@ class DeviceRoute:
         `GradientAccumulation.weights` of the devices' counts."""
         column = lambda g: ops.reshape(scale, (-1,) + (1,) * (len(g.shape) - 1))  # noqa: E731
         return [column(g) * g for g in rows], ops.sum(ops.broadcast_to(share, (len(rows[0]),)))
+
+    @staticmethod
+    def each_row(function: Any, rows: list) -> list:
+        """`function` (a list of values to a list of as many) applied to each
+        device's row of the `[devices, *shape]` values `rows` on its own
+        (`jax.vmap` over the devices): `InvariantAdam`'s clip of each
+        device's micro-batch, its norms those of the row."""
+        import jax
+
+        return list(jax.vmap(lambda *row: function(list(row)))(*rows))
 
     @staticmethod
     def total(values: list) -> list:

@@ -258,6 +258,13 @@ scaled = dict(scaling_rule="invariant", beta_2=0.99, use_ema=True, weight_decay=
 ia = lambda steps: lambda: ka.InvariantAdam(1e-3, steps=steps, **scaled)
 runs["ia_scaled_route"] = fit(True, True, ia(2), 16)
 runs["ia_scaled_one_device"] = fit(False, False, ia(4), 8)
+# Clipping: each device's gradient is a micro-batch, clipped by its own norm.
+for clip, value in (("clipnorm", 0.05), ("global_clipnorm", 0.05), ("clipvalue", 0.01)):
+    runs[f"ia_{clip}_route"] = fit(
+        True, True, lambda: ka.InvariantAdam(0.01, steps=2, **{clip: value}), 16)
+    runs[f"ia_{clip}_one_device"] = fit(
+        False, False, lambda: ka.InvariantAdam(0.01, steps=4, **{clip: value}), 8)
+runs["ia_unclipped_route"] = fit(True, True, lambda: ka.InvariantAdam(0.01, steps=2), 16)
 # weigh_micro_batches: each device's own count, under a token mean with
 # zero weights and a short last batch (56 rows: micro-batches 16, 16, 16
 # and 8, windows of 2): the big batches of 32 and 24 exactly.
@@ -399,6 +406,16 @@ def test_invariant_adam_per_device_counts_each_device_as_a_micro_batch(runs):
     scaled = runs["ia_scaled_route"]
     assert scaled["route"]
     assert _max_difference(scaled["weights"], runs["ia_scaled_one_device"]["weights"]) < 1e-6
+
+
+@pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm", "clipvalue"])
+def test_invariant_adam_clips_each_devices_micro_batch(runs, clip):
+    route = runs[f"ia_{clip}_route"]
+    assert route["route"]
+    assert not [w for w in route["warnings"] if "clip" in w or "kappa" in w], route["warnings"]
+    assert _max_difference(route["weights"], runs[f"ia_{clip}_one_device"]["weights"]) < 1e-6
+    # The clip bites: unclipped, the route ends elsewhere.
+    assert _max_difference(route["weights"], runs["ia_unclipped_route"]["weights"]) > 1e-4
 
 
 def test_each_device_draws_its_own_dropout_mask(runs):
