@@ -65,6 +65,13 @@ keeps what finished):
         cosine decay (lowest priority: the char LM's baseline decay is WSD).
     smoke: a few micro-batches.
 
+An edge point (folders tune_edge, tune_cosine_edge) runs as its tuning
+variant with `--set` narrowing it to the one lr and arm, e.g. the char
+LM's cosine kappa = 4 (its config.json has the rest):
+
+    --variant charlm_tune_cosine --set '{"learning_rates": [0.0015],
+        "arms": {"kappa=4 cosine": {"steps": 4, "decay": "cosine"}}}'
+
 Added after the first runs (not in the protocol above; marked "added" in
 the tables):
 
