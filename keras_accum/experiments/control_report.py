@@ -573,7 +573,7 @@ standard errors of the 3-seed tuning: not a tuned lr for them.
 before any of these runs). The decay studies' tasks, budget (3072
 micro-batches of 16), evaluation grid (every 1024 examples, 48
 evaluations), validation split, InvariantAdam `"fixed_beta_1"`. Constant
-kappa = 2 and kappa = 4 with WSD (and cosine on MNIST-1D), each tuned on
+kappa = 2 and kappa = 4 with WSD and with cosine, each tuned on
 at least 4 base lrs x 3 seeds (100-102) on the final validation loss, the
 lowest mean chosen (a winner at the grid's edge adds one point beyond it),
 then 8 seeds (0-7) at the chosen lr. The warmups 1 -> 2 -> 4 (at 512,
