@@ -216,6 +216,7 @@ import json, sys, warnings, numpy as np, keras, keras_accum as ka
 devices = keras.distribution.list_devices()
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 5)).astype("float32"); y = rng.normal(size=(64, 1)).astype("float32")
+@keras.saving.register_keras_serializable(package="test_per_device")
 class Net(ka.PerDeviceGradients, keras.Sequential):
     pass
 """
@@ -447,9 +448,11 @@ def model_parallel(batch_axis_too=False):
     # 2 x 2: the batch split over 'batch', the hidden layer over 'model'.
     mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["net/hidden/kernel"] = (None, "model")
-    layout_map["net/hidden/bias"] = ("batch",) if batch_axis_too else ("model",)
-    layout_map["net/out/kernel"] = ("model", None)
+    # Keys match with or without the model's name: a loaded Sequential's
+    # variables have no "net/" in their paths.
+    layout_map[".*hidden/kernel"] = (None, "model")
+    layout_map[".*hidden/bias"] = ("batch",) if batch_axis_too else ("model",)
+    layout_map[".*out/kernel"] = ("model", None)
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 OPTIMIZERS = {
     "adam": lambda steps: keras.optimizers.Adam(0.01),
@@ -489,6 +492,23 @@ else:
             parameters={v.path: spec(v) for v in model.trainable_variables},
             difference=max(float(np.max(np.abs(a - b)))
                            for a, b in zip(model.get_weights(), reference.get_weights())))
+    # Saved mid-window (8 micro-batches, steps=3), loaded under the same
+    # mesh and trained one more epoch: as the model that never stopped.
+    import os, tempfile
+    model, _, _ = fit(model_parallel(), "ga", 3, 16)
+    path = os.path.join(tempfile.mkdtemp(), "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    for m in (model, loaded):
+        m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    result["resumed"] = dict(
+        route=loaded.optimizer._device_route is not None,
+        rows={v.path: spec(v) for v in loaded.optimizer.variables
+              if loaded.optimizer._device_route.holds(v)},
+        difference=max(float(np.max(np.abs(a - b)))
+                       for a, b in zip(model.get_weights(), loaded.get_weights())),
+        state=max(float(np.max(np.abs(np.asarray(a.value) - np.asarray(b.value))))
+                  for a, b in zip(model.optimizer.variables, loaded.optimizer.variables)))
     try:
         fit(model_parallel(batch_axis_too=True), "ga", 4, 16)
         result["error"] = None
@@ -600,6 +620,10 @@ def test_model_parallel_trains_as_one_device_with_rows_laid_out_as_parameters():
             assert row_spec == ["batch", *run["parameters"][parameter]], (path, row_spec)
         # The layout map held: the hidden layer is split over 'model'.
         assert run["parameters"]["net/hidden/kernel"] == [None, "model"], run["parameters"]
+    resumed = result["resumed"]
+    assert resumed["route"] and resumed["difference"] == 0.0 and resumed["state"] == 0.0, resumed
+    kernel_rows = [v for k, v in resumed["rows"].items() if k.endswith("hidden_kernel_accumulator")]
+    assert kernel_rows == [["batch", None, "model"]], resumed["rows"]
     error = result["error"]
     assert error and "'batch'" in error and "net/hidden/bias" in error, error
 
