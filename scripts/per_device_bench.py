@@ -8,6 +8,11 @@ arms' order rotating; each ratio is taken within its round.
     XLA_FLAGS=--xla_force_host_platform_device_count=2 KERAS_BACKEND=jax \\
         python scripts/per_device_bench.py --output=per_device_bench.json
 
+With `--model_axis=2` the mesh is (devices / 2, 2), 'batch' x 'model',
+under `ModelParallel` (each hidden layer's kernel and bias split over
+'model', the output kernel's rows too): the batch axis's all-reduces
+then carry one device's part of each gradient.
+
 It also writes the bytes each arm all-reduces per update (float32
 gradients; ring all-reduce, each device sends and receives 2 (D - 1) / D
 times the buffer), for 2 devices and projected for 8 and 64: arithmetic
@@ -26,21 +31,41 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def measure(width, depth, micro_batch, steps, micro_batches, rounds):
+def distribution(model_axis):
+    import keras
+
+    if model_axis == 1:
+        return keras.distribution.DataParallel()
+    devices = keras.distribution.list_devices()
+    if len(devices) % model_axis:
+        raise ValueError(f"--model_axis={model_axis} does not divide the {len(devices)} devices")
+    shape = (len(devices) // model_axis, model_axis)
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*hidden_\d+/kernel"] = (None, "model")
+    layout_map[r".*hidden_\d+/bias"] = ("model",)
+    layout_map[".*out/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def measure(width, depth, micro_batch, steps, micro_batches, rounds, model_axis=1):
+    import jax
     import keras
     import numpy as np
 
     import keras_accum as ka
 
-    devices = len(keras.distribution.list_devices())
-    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    devices = len(keras.distribution.list_devices()) // model_axis  # on the batch axis
+    keras.distribution.set_distribution(distribution(model_axis))
 
     class Net(ka.PerDeviceGradients, keras.Sequential):
         pass
 
     def layers():
-        hidden = [keras.layers.Dense(width, activation="tanh") for _ in range(depth)]
-        return [keras.Input((width,)), *hidden, keras.layers.Dense(1)]
+        hidden = [
+            keras.layers.Dense(width, activation="tanh", name=f"hidden_{i}") for i in range(depth)
+        ]
+        return [keras.Input((width,)), *hidden, keras.layers.Dense(1, name="out")]
 
     arms = {
         "adam": (keras.Sequential, lambda: keras.optimizers.Adam(1e-3)),
@@ -65,6 +90,13 @@ def measure(width, depth, micro_batch, steps, micro_batches, rounds):
         model.fit(x, y, batch_size=micro_batch, epochs=1, verbose=0)  # compiled, warm
         models[name] = model
     params = sum(int(np.prod(v.shape)) for v in models["adam"].trainable_variables)
+    first = jax.devices()[0]  # one device's part of the parameters (all, without a model axis)
+    shard = sum(
+        s.data.size
+        for v in models["adam"].trainable_variables
+        for s in v.value.addressable_shards
+        if s.device == first
+    )
     samples = {name: [] for name in arms}
     names = list(arms)
     for r in range(rounds):
@@ -81,7 +113,7 @@ def measure(width, depth, micro_batch, steps, micro_batches, rounds):
     # Bytes all-reduced per update of `steps` micro-batches (the big batch's
     # one update), per device, float32: plain Adam at the big batch sends
     # its gradient once; Keras's step every micro-batch; ours once.
-    gradient = params * 4
+    gradient = shard * 4
     per_update = {"adam": gradient, "ga_keras_step": steps * gradient, "ga_per_device": gradient}
     per_update["ia_per_device"] = 2 * gradient  # m and v
     traffic = {
@@ -91,7 +123,9 @@ def measure(width, depth, micro_batch, steps, micro_batches, rounds):
     return {
         "keras": keras.__version__,
         "devices": devices,
+        "model_axis": model_axis,
         "params": params,
+        "params_per_device": shard,
         "micro_batch": micro_batch,
         "steps": steps,
         "micro_batches_per_round": micro_batches,
@@ -113,10 +147,17 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro_batches", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--model_axis", type=int, default=1)
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     result = measure(
-        args.width, args.depth, args.micro_batch, args.steps, args.micro_batches, args.rounds
+        args.width,
+        args.depth,
+        args.micro_batch,
+        args.steps,
+        args.micro_batches,
+        args.rounds,
+        args.model_axis,
     )
     text = json.dumps(result, indent=1)
     if args.output:

@@ -667,10 +667,12 @@ def test_window_batch_norm_sums_every_devices_items():
     assert result["relative"] < 1e-5, result
 
 
-def test_the_bench_script_times_four_arms_and_counts_the_bytes(tmp_path):
+@pytest.mark.parametrize("model_axis", [1, 2])
+def test_the_bench_script_times_four_arms_and_counts_the_bytes(tmp_path, model_axis):
     # scripts/per_device_bench.py, tiny: every arm timed in every round, the
-    # bytes per update from the parameter count (Keras's step: `steps`
-    # gradients per update; ours: one; InvariantAdam: m and v).
+    # bytes per update from one device's part of the parameters (Keras's
+    # step: `steps` gradients per update; ours: one; InvariantAdam: m and
+    # v). With a model axis of 2 (4 devices) that part is about half.
     output = tmp_path / "bench.json"
     runner = (
         "import runpy, sys; sys.argv = sys.argv[1:]; "
@@ -684,13 +686,19 @@ def test_the_bench_script_times_four_arms_and_counts_the_bytes(tmp_path):
         "--micro_batch=8",
         "--micro_batches=8",
         "--rounds=2",
+        f"--model_axis={model_axis}",
         f"--output={output}",
+        devices=2 * model_axis,
     )
     result = json.loads(output.read_text())
     arms = {"adam", "ga_keras_step", "ga_per_device", "ia_per_device"}
     assert set(result["samples_ms"]) == arms
     assert all(len(v) == 2 and min(v) > 0 for v in result["samples_ms"].values())
-    size = result["params"] * 4
+    assert (result["devices"], result["model_axis"]) == (2, model_axis)
+    # 8 -> 8 -> 1: hidden kernel and bias, out kernel split; out bias whole.
+    assert result["params"] == 8 * 8 + 8 + 8 + 1
+    assert result["params_per_device"] == (81 if model_axis == 1 else 32 + 4 + 4 + 1)
+    size = result["params_per_device"] * 4
     assert result["bytes_all_reduced_per_update"] == {
         "adam": size,
         "ga_keras_step": 4 * size,
