@@ -173,13 +173,21 @@ def test_the_rule_functions_section_is_the_raw_files():
             assert " -> ".join(pair) in words, (backend, model, pair)
 
 
-def test_the_per_device_section_is_the_raw_file():
-    """Issue #49: every timing and ratio of "JAX: one reduction per window,
-    timed", and every byte count (from the parameter count: `steps` times
-    the gradient on Keras's step, once on ours, m and v for InvariantAdam)."""
-    raw = json.loads((ROOT / "docs/benchmarks/per_device/bench_2cpu.json").read_text())
+@pytest.mark.parametrize(
+    "raw_file, title",
+    [
+        ("bench_2cpu.json", "## JAX: one reduction per window, timed"),
+        ("bench_2cpu_model_axis.json", "## JAX under ModelParallel: one reduction per window"),
+    ],
+)
+def test_the_per_device_section_is_the_raw_file(raw_file, title):
+    """Issue #49: every timing and ratio of the sections on
+    `PerDeviceGradients` (DataParallel; ModelParallel), and every byte
+    count (from one device's part of the parameters: `steps` times the
+    gradient on Keras's step, once on ours, m and v for InvariantAdam)."""
+    raw = json.loads((ROOT / "docs/benchmarks/per_device" / raw_file).read_text())
     text = (ROOT / "BENCHMARKS.md").read_text()
-    section = text.split("## JAX: one reduction per window, timed")[1].split("\n## ")[0]
+    section = text.split(title)[1].split("\n## ")[0]
     labels = {
         "adam": "plain Adam (one update per micro-batch)",
         "ga_keras_step": "`GradientAccumulation`, Keras's `train_step`",
@@ -196,7 +204,9 @@ def test_the_per_device_section_is_the_raw_file():
         ms, ratio = raw["ms_per_micro_batch"][arm], raw["ratio_to_adam"][arm]
         assert f"| {label} | {cell(ms, 2)} | {cell(ratio, 2)} |" in section, arm
     assert f"{raw['params']:,} parameters" in section
-    size = raw["params"] * 4
+    size = raw.get("params_per_device", raw["params"]) * 4
+    if raw.get("model_axis", 1) > 1:
+        assert f"{raw['params_per_device']:,} on each device" in section
     per_update = raw["bytes_all_reduced_per_update"]
     assert per_update == {
         "adam": size,
