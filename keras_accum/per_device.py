@@ -164,12 +164,13 @@ class DeviceRoute:
         (a `ModelParallel` layout's axes)."""
         shape = (self.devices, *reference.shape)
         axes = _layout_axes(reference)
-        if self.axis in axes:
+        named = {a for entry in axes for a in (entry if isinstance(entry, tuple) else (entry,))}
+        if self.axis in named:
             raise ValueError(
-                f"PerDeviceGradients keeps one row per device along the batch axis "
-                f"{self.axis!r}, which the layout of {reference.path!r} already shards "
-                f"(axes {axes}): lay the variable out over other axes of the mesh, or use "
-                "a model without PerDeviceGradients."
+                "PerDeviceGradients keeps one row per device along the batch axis "
+                f"{self.axis!r}, and the layout of {reference.path!r} shards it over that "
+                f"axis too (axes {axes}): lay the variable out over the other axes of the "
+                "mesh, or use a model without PerDeviceGradients."
             )
         layout = keras.distribution.TensorLayout((self.axis, *axes), self.mesh)
         name = _replicas.slot_name(reference, name)
@@ -272,6 +273,8 @@ class DeviceRoute:
         # `weigh_micro_batches`: the loss on each device records its shard's
         # count (inside the shard_map); the optimizer takes one per device.
         items = getattr(model.optimizer, "_fit_items", None)
+        if items is not None and items.weighed_model() is not model:
+            items = None  # compiled again without weighing: nothing recorded
 
         trainable, non_trainable, optimizer_values, metrics_values = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
