@@ -20,11 +20,10 @@ its share of the global mean, i.e. the gradient of the replica's summed loss
 divided by the *global* number of items (what `model.fit` produces); summed
 over replicas it is the gradient of the global micro-batch mean.
 
-State, field by field (creation order is the checkpoint format):
-`iterations` (updates applied), `micro_step` (calls to `apply`),
-`skipped_micro_batches` (per replica, summed on read), `skipped_updates`
-(windows whose update was dropped), `window_bad` (non-finite micro-batches
-in the current window, for `"skip_window"`), then each subclass's slots.
+State, in creation order (the checkpoint format): `iterations` (updates
+applied), the window's bookkeeping (`WindowState`, below:
+micro-step, skip counters, bad micro-batches, a schedule's window), a
+schedule's own state, then each subclass's slots.
 """
 
 import inspect
@@ -44,52 +43,89 @@ from keras_accum.validation import check_choice
 NONFINITE_POLICIES = tuple(nonfinite.POLICIES)
 
 
-class _Followers:
-    """The callbacks of one optimizer's `on_window_end`, in the order they
-    were registered, each held weakly (a plain holder: nothing Keras or
-    TensorFlow tracks or saves)."""
+def bounds(step, end, size, steps):
+    """Where micro-step `step` (0-based, the calls so far) stands: (start,
+    size, end), whether a window starts there, and the size and end
+    micro-step of the window it is in, given those of the window before
+    (`end`, `size`). `steps` (an int or a schedule) is read where a window
+    starts (`step >= end`), and its value holds until the window ends.
+    Without a window's state (`end` None, an int `steps`) size and end come
+    back None. Values in, values out: the caller writes them."""
+    if end is None:
+        return step % steps == 0, None, None
+    start = step >= end
+    fresh = steps(step) if isinstance(steps, StepsSchedule) else steps
+    size = ops.where(start, ops.cast(fresh, size.dtype), size)
+    return start, size, ops.where(start, step + size, end)
 
-    def __init__(self):
-        self.refs = []
+
+class WindowState:
+    """One optimizer's window bookkeeping, each field an optimizer variable
+    (created in this order, which is the saved format, after
+    `iterations`):
+
+    * `micro_step`: `apply` calls so far (micro-batches per replica);
+    * `skipped_micro_batches`: micro-batches left out for a non-finite
+      gradient (replica-local, summed on read);
+    * `skipped_updates`: windows whose update was dropped;
+    * `bad`: non-finite micro-batches in the current window (`window_bad`,
+      replica-local; for `"skip_window"`);
+    * `size`, `end`: under a schedule, the current window's size and end
+      micro-step (`window_steps`, `window_end`), fixed where it starts, so
+      a checkpoint may fall inside a window; None for an int `steps`.
+
+    The rules read it; the drivers alone write it (`tests/test_structure.py`
+    checks the source).
+    """
+
+    __slots__ = ("micro_step", "skipped_micro_batches", "skipped_updates", "bad", "size", "end")
+
+    def __init__(self, optimizer):
+        counter = dict(dtype=_backend.INT, aggregation="only_first_replica")
+        self.micro_step = optimizer.add_variable((), name="micro_step", **counter)
+        self.skipped_micro_batches = optimizer.add_local_variable(
+            (), dtype=_backend.INT, name="skipped_micro_batches"
+        )
+        self.skipped_updates = optimizer.add_variable((), name="skipped_updates", **counter)
+        self.bad = optimizer.add_local_variable((), dtype=_backend.INT, name="window_bad")
+        self.size = self.end = None
+        if isinstance(optimizer.steps, StepsSchedule):
+            self.size = optimizer.add_variable((), name="window_steps", **counter)
+            self.end = optimizer.add_variable((), name="window_end", **counter)
+
+    def bounds(self, steps):
+        """`bounds` at the current micro-step (values; the driver writes
+        `size` and `end`)."""
+        read = ops.convert_to_tensor
+        if self.size is None:
+            return bounds(read(self.micro_step), None, None, steps)
+        return bounds(read(self.micro_step), read(self.end), read(self.size), steps)
+
+    def done(self, micro_step, steps):
+        """True when `micro_step` micro-batches complete the current window."""
+        if self.end is None:
+            return micro_step % steps == 0
+        return ops.equal(micro_step, self.end)
 
 
 class WindowMixin:
-    """Where a window starts and ends, for an int `steps` or a schedule
-    (`keras_accum.PiecewiseSteps`, `AdaptiveSteps`, whose size is read when
-    the window starts and holds until it ends: the size and the end
-    micro-step are optimizer variables, so a checkpoint may fall inside a
-    window); and who follows the windows (`on_window_end`)."""
+    """An optimizer's window: its size (`window_steps`), whether it ends at
+    a micro-step, and who follows the windows (`on_window_end`)."""
 
-    def _build_window(self):
-        """With a schedule: the current window's size and end micro-step,
-        fixed when the window starts (checkpointed), and its own state."""
-        if not isinstance(self.steps, StepsSchedule):
-            return
-        counter = dict(dtype=_backend.INT, aggregation="only_first_replica")
-        self._window_size = self.add_variable((), name="window_steps", **counter)
-        self._window_end = self.add_variable((), name="window_end", **counter)
-        self.steps.build(self)
+    _window = None  # the `WindowState`, from `build`
+    _window_bounds = staticmethod(bounds)  # for a layer that counts its own windows
 
     @property
     def window_steps(self):
         """Micro-batches per replica of the current window (`steps`, or with
         a schedule the value it gave when the window started, a variable)."""
         if isinstance(self.steps, StepsSchedule):
-            return self._window_size
+            return self._window.size
         return self.steps
 
-    def _start_window(self):
-        """Cross-replica: True at a window's first micro-batch. A schedule is
-        read there, and its value holds until the window ends."""
-        step = ops.convert_to_tensor(self._micro_step)
-        if not isinstance(self.steps, StepsSchedule):
-            return step % self.steps == 0
-        end = ops.convert_to_tensor(self._window_end)
-        start = step >= end
-        size = ops.where(start, self.steps(step), ops.convert_to_tensor(self._window_size))
-        self._window_size.assign(size)
-        self._window_end.assign(ops.where(start, step + size, end))
-        return start
+    def _window_done(self, micro_step):
+        """True when `micro_step` micro-batches complete the current window."""
+        return self._window.done(micro_step, self.steps)
 
     def on_window_end(self, callback):
         """Runs `callback(keep)` in every `apply` call that ends a window,
@@ -122,11 +158,14 @@ class WindowMixin:
         callbacks = (ref() for ref in (followers.refs if followers else []))
         return [c for c in callbacks if c is not None]
 
-    def _window_done(self, micro_step):
-        """True when `micro_step` micro-batches complete the current window."""
-        if not isinstance(self.steps, StepsSchedule):
-            return micro_step % self.steps == 0
-        return ops.equal(micro_step, self._window_end)
+
+class _Followers:
+    """The callbacks of one optimizer's `on_window_end`, in the order they
+    were registered, each held weakly (a plain holder: nothing Keras or
+    TensorFlow tracks or saves)."""
+
+    def __init__(self):
+        self.refs = []
 
 
 class AccumulationOptimizer(
@@ -177,14 +216,10 @@ class AccumulationOptimizer(
         # What a saved, never-built instance holds (see `load_own_variables`).
         self._unbuilt_count = len(self.variables)
         super().build(var_list)
-        counter = dict(dtype=_backend.INT, aggregation="only_first_replica")
-        self._micro_step = self.add_variable((), name="micro_step", **counter)
-        self._skipped_micro_batches = self.add_local_variable(
-            (), dtype=_backend.INT, name="skipped_micro_batches"
-        )
-        self._skipped_updates = self.add_variable((), name="skipped_updates", **counter)
-        self._window_bad = self.add_local_variable((), dtype=_backend.INT, name="window_bad")
-        self._build_window()
+        # The window's bookkeeping: written by the driver alone.
+        self._window = WindowState(self)
+        if isinstance(self.steps, StepsSchedule):
+            self.steps.build(self)
 
     @property
     def _nonfinite_policy(self):
@@ -203,30 +238,31 @@ class AccumulationOptimizer(
     @property
     def micro_step(self):
         """Number of `apply` calls so far (micro-batches per replica)."""
-        return self._counter("_micro_step")
+        return self._counter("micro_step")
 
     @property
     def skipped_micro_batches(self):
         """Micro-batches left out for a non-finite gradient under
         `nonfinite="skip_micro_batch"` (summed over replicas on read)."""
-        return self._counter("_skipped_micro_batches")
+        return self._counter("skipped_micro_batches")
 
     @property
     def skipped_updates(self):
         """Windows whose update was dropped for a non-finite gradient under
         `nonfinite="skip_window"`."""
-        return self._counter("_skipped_updates")
+        return self._counter("skipped_updates")
 
     def _counter(self, name):
-        counter = getattr(self, name, None)
-        return ops.convert_to_tensor(0, _backend.INT) if counter is None else counter
+        if self._window is None:
+            return ops.convert_to_tensor(0, _backend.INT)
+        return getattr(self._window, name)
 
     def has_updated(self):
         """True when the last `apply` call ended a window (an update was
         applied, or dropped under a `skip_*` policy and counted)."""
         if not self.built:
             return ops.convert_to_tensor(False)
-        step = ops.convert_to_tensor(self._micro_step)
+        step = ops.convert_to_tensor(self._window.micro_step)
         return ops.logical_and(step > 0, self._window_done(step))
 
     # -- the step -----------------------------------------------------------
@@ -324,7 +360,7 @@ class AccumulationOptimizer(
     def _window_ok(self, boundary):
         """Whether the window may be applied (True: always)."""
         if self._nonfinite_policy.drops_windows:  # no bad micro-batch in the window
-            return ops.equal(ops.convert_to_tensor(self._window_bad), 0)
+            return ops.equal(ops.convert_to_tensor(self._window.bad), 0)
         return True
 
     def _window_sums(self):

@@ -245,7 +245,7 @@ class InvariantAdam(drivers.InvariantAdamForm, AdamFamily):
             # A schedule written for kappa = 1 sees the micro-batches consumed
             # over all replicas before this window.
             window = ops.cast(self.window_steps, _backend.INT)
-            before = (ops.convert_to_tensor(self._micro_step) - window) * replicas
+            before = (ops.convert_to_tensor(self._window.micro_step) - window) * replicas
             learning_rate = schedule(before)
         else:
             learning_rate = self.learning_rate

@@ -18,8 +18,6 @@ import os
 import sys
 import warnings
 
-from keras import ops
-
 from keras_accum import _backend
 
 # Frames of these packages are not where a user's call is.
@@ -56,11 +54,11 @@ class LastWindowMixin:
         `flush`. Eager only."""
         if not self.built:
             return 0
-        step = _int(self._micro_step)
+        step = _int(self._window.micro_step)
         if isinstance(self.steps, int):
             start = step - step % self.steps
         else:
-            end, size = _int(self._window_end), _int(self._window_size)
+            end, size = _int(self._window.end), _int(self._window.size)
             if step >= end:
                 return 0
             start = end - size
@@ -84,12 +82,11 @@ class LastWindowMixin:
             raise RuntimeError(f"{type(self).__name__}.flush() runs eagerly, between steps.")
         if not self.pending_micro_batches():
             return False
-        self._flush_window()  # the driver's: the window's end, as `apply` ends one
-        # The window's sums cleared: the micro-batches that follow finish
-        # the window (by count) as one of their own.
-        for variable in [*self._window_state(), self._window_bad]:
-            variable.assign(ops.zeros(variable.shape, variable.dtype))
-        self.__dict__["_flushed_at"] = _int(self._micro_step)
+        # The driver's: the window's end, as `apply` ends one, then the
+        # window's sums cleared: the micro-batches that follow finish the
+        # window (by count) as one of their own.
+        self._flush_window()
+        self.__dict__["_flushed_at"] = _int(self._window.micro_step)
         return True
 
     def finalize_variable_values(self, var_list):
@@ -121,7 +118,7 @@ class LastWindowMixin:
             # Once per optimizer: `fit(epochs=1)` in a loop is a pattern the
             # README shows, and a partial window carries over to the next.
             self._warned_pending = True
-            size = self.steps if isinstance(self.steps, int) else _int(self._window_size)
+            size = self.steps if isinstance(self.steps, int) else _int(self._window.size)
             warnings.warn(
                 f"{type(self).__name__} '{self.name}': training ended inside a window: "
                 f"{pending} of its {size} micro-batches (per replica) are accumulated "

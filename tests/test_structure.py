@@ -140,12 +140,18 @@ def listed_modules(page):
     return names
 
 
-@pytest.mark.parametrize("page", ["docs/ARCHITECTURE.md", "docs/guides/layout.md"])
-def test_every_library_module_is_listed_in_the_maps(page):
+def test_every_library_module_is_listed_in_the_map():
+    page = "docs/guides/layout.md"
     listed = listed_modules(page)
     files = {path.name for path in library_files().values()}
     assert "base.py" in listed and "multiworker.py" in listed  # the parser reads the map
     assert files <= listed, f"{page} does not list: {sorted(files - listed)}"
+
+
+def test_the_architecture_is_one_page_and_points_to_the_map():
+    text = (ROOT / "docs/ARCHITECTURE.md").read_text()
+    assert len(text.splitlines()) <= 120
+    assert "(guides/layout.md)" in text
 
 
 # -- the rules ask no backend question: the drivers do (keras_accum/drivers) -------
@@ -233,6 +239,55 @@ def test_the_scan_sees_a_flag_question():
 @pytest.mark.parametrize("module", RULES)
 def test_the_rules_ask_no_flag_type_question(module):
     assert flag_questions((PACKAGE / module).read_text()) == []
+
+
+# -- the window's bookkeeping is written by the drivers alone -------------------
+# (`keras_accum.base.WindowState`: the rules and the rest read it.)
+
+WINDOW_FIELDS = {"micro_step", "skipped_micro_batches", "skipped_updates", "bad", "size", "end"}
+WRITES = {"assign", "assign_add", "assign_sub", "assign_total"}
+
+
+def window_state_writes(source):
+    """['line: field'] for each write of a `WindowState` field in a module:
+    `<x>._window.<field>.assign*(...)`, `state.<field>.assign*(...)` or
+    `counters.<field>...` (the drivers' names for it),
+    `_replicas.assign_total(counters.<field>, ...)`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in WRITES:
+            continue
+        target = node.args[0] if node.func.attr == "assign_total" and node.args else node.func.value
+        if not (isinstance(target, ast.Attribute) and target.attr in WINDOW_FIELDS):
+            continue
+        owner = target.value
+        if (isinstance(owner, ast.Attribute) and owner.attr == "_window") or (
+            isinstance(owner, ast.Name) and owner.id in ("state", "counters")
+        ):
+            found.append(f"{node.lineno}: {target.attr}")
+    return found
+
+
+def test_the_scan_sees_a_window_state_write():
+    assert window_state_writes("self._window.micro_step.assign_add(1)\n") == ["1: micro_step"]
+    assert window_state_writes("state.bad.assign(0)\n") == ["1: bad"]
+    assert window_state_writes("_replicas.assign_total(counters.bad, 0)\n") == ["1: bad"]
+    assert window_state_writes("self.micro_step.assign(1)\n") == []  # a layer's own count
+    assert window_state_writes("x = self._window.micro_step + 1\n") == []  # a read
+
+
+def test_only_the_drivers_write_the_window_state():
+    writers = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if window_state_writes(path.read_text()):
+            writers.add(path.relative_to(PACKAGE).as_posix())
+    assert writers == {
+        "drivers/portable.py",
+        "drivers/tensorflow/__init__.py",
+        "drivers/tensorflow/_execution.py",
+    }
 
 
 # -- the non-finite policies are objects: nobody compares their names ------------

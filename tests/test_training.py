@@ -768,3 +768,35 @@ def test_reduced_loss_is_refused():
 def test_bad_last_batch_and_epochs():
     bad(r"last_batch=.*'pad'", last_batch="pad")
     bad(r"Received: epochs=0", epochs=0)
+
+
+# -- a checkpoint of the previous layout -----------------------------------------
+
+PREVIOUS = os.path.join(ROOT, "tests", "fixtures", "checkpoint_before_window_state")
+
+
+def test_a_checkpoint_of_the_previous_layout_restores_every_counter():
+    """The fixture is a `tf.train.Checkpoint(model=, optimizer=)` written by
+    the layout before `WindowState` (e589083, Keras 3.15.1), whose counters
+    were optimizer attributes (`optimizer/_micro_step/...`): a model
+    `Dense(2)` on inputs of 3 (seed 0), `InvariantAdam(1e-2,
+    steps=PiecewiseSteps([3], [2, 3]))`, `fit` on 20 rows of
+    `RandomState(0).randn(20, 3)` (row 9 NaN) at batch 4, inside a window:
+    micro_step 5, one skipped micro-batch, window of 3 ending at 7. Every
+    saved object is matched and every variable comes back as saved."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = ka.InvariantAdam(1e-2, steps=ka.PiecewiseSteps([3], [2, 3]))
+    optimizer.build(model.trainable_variables)
+    for variable in optimizer.variables:  # nothing left from the build
+        variable.assign(tf.ones(variable.shape, variable.dtype) * 9)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    checkpoint.read(os.path.join(PREVIOUS, "checkpoint")).assert_consumed()
+    with open(os.path.join(PREVIOUS, "optimizer_values.json")) as f:
+        saved = json.load(f)
+    assert sorted(saved) == sorted(v.path for v in optimizer.variables)
+    for variable in optimizer.variables:
+        np.testing.assert_array_equal(variable.numpy(), np.asarray(saved[variable.path]))
+    assert int(optimizer.micro_step) == 5
+    assert int(optimizer.skipped_micro_batches) == 1
+    assert int(optimizer.window_steps) == 3 and optimizer.pending_micro_batches() == 1

@@ -72,9 +72,12 @@ class Driver:
         return self.__dict__["_process_count"]
 
     def _flush_window(self):
-        """`flush`: the window's end now, eagerly, as `apply` ends one."""
+        """`flush`: the window's end now, eagerly, as `apply` ends one; then
+        the window's sums and bad count cleared."""
         with keras.name_scope(self.name, caller=self):
             end_window(self, _compat.trainable_variables(self), True)
+        for variable in [*self._window_state(), self._window.bad]:
+            variable.assign(ops.zeros(variable.shape, variable.dtype))
 
     def _creation_scope(self):
         return contextlib.nullcontext()
@@ -136,9 +139,14 @@ def apply(optimizer, grads, variables, weight, overwrite):
     grads = [ops.convert_to_tensor(g) for g in grads]
     # PyTorch, an int `steps`: the window's start and end from the count
     # held in Python (`host_micro_step`), no read of the device.
+    state = optimizer._window
     step = host_micro_step(optimizer)
     if step is None:
-        start = decided(optimizer._start_window())
+        start, size, end = state.bounds(optimizer.steps)
+        if size is not None:  # a schedule's window, fixed where it starts
+            state.size.assign(size)
+            state.end.assign(end)
+        start = decided(start)
     else:
         start = step % optimizer.steps == 0
     ok = True
@@ -146,7 +154,7 @@ def apply(optimizer, grads, variables, weight, overwrite):
         ok = decided(kernels.finite(grads))
         if policy.raises:
             if not bool(ok):  # eager (PyTorch): one line, as `nonfinite.explained` gives
-                step = int(ops.convert_to_numpy(optimizer._micro_step)) + 1
+                step = int(ops.convert_to_numpy(state.micro_step)) + 1
                 raise nonfinite.NonFiniteGradientError(
                     f"{optimizer.name}: {nonfinite.MESSAGE} at micro-step {step}"
                 )
@@ -156,12 +164,12 @@ def apply(optimizer, grads, variables, weight, overwrite):
             if ok is not True:  # a skipped micro-batch reaches the rule as zeros
                 grads = [masked(ok, g, ops.zeros_like(g)) for g in grads]
     optimizer._fold(grads, variables, weight, start, ok)
-    micro_step = ops.convert_to_tensor(optimizer._micro_step) + 1
-    optimizer._micro_step.assign(micro_step)
+    micro_step = ops.convert_to_tensor(state.micro_step) + 1
+    state.micro_step.assign(micro_step)
     if step is not None:
         boundary = (step + 1) % optimizer.steps == 0
         optimizer.__dict__["_host_micro_step"] = (
-            _compat.write_stamp(optimizer._micro_step.value),
+            _compat.write_stamp(state.micro_step.value),
             step + 1,
         )
     elif optimizer.steps == 1:
@@ -203,7 +211,7 @@ def host_micro_step(optimizer):
         return None
     if _compat.in_stateless_scope() or kernels.compiling():
         return None
-    value = optimizer._micro_step.value
+    value = optimizer._window.micro_step.value
     held = optimizer.__dict__.get("_host_micro_step")
     if held is not None and _compat.unwritten_since(held[0], value):
         return held[1]
@@ -229,18 +237,19 @@ def count_bad(optimizer, start, ok):
     a window."""
     policy = optimizer._nonfinite_policy
     skips = policy.skips and not (policy.drops_windows and optimizer._checks_window_sums)
+    state = optimizer._window
     if isinstance(ok, bool) and isinstance(start, bool):
         if not ok and skips:
-            optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + 1)
+            state.skipped_micro_batches.assign(state.skipped_micro_batches + 1)
         if start or not ok:
-            before = 0 if start else ops.convert_to_tensor(optimizer._window_bad)
-            optimizer._window_bad.assign(before + (0 if ok else 1))
+            before = 0 if start else ops.convert_to_tensor(state.bad)
+            state.bad.assign(before + (0 if ok else 1))
         return
     bad = 1 - flag(ok, _backend.INT)
     if skips:
-        optimizer._skipped_micro_batches.assign(optimizer._skipped_micro_batches + bad)
-    window_bad = masked(start, ops.zeros((), _backend.INT), optimizer._window_bad)
-    optimizer._window_bad.assign(window_bad + bad)
+        state.skipped_micro_batches.assign(state.skipped_micro_batches + bad)
+    window_bad = masked(start, ops.zeros((), _backend.INT), state.bad)
+    state.bad.assign(window_bad + bad)
 
 
 def end_window(optimizer, variables, boundary):
@@ -254,7 +263,7 @@ def end_window(optimizer, variables, boundary):
     if processes > 1 and optimizer._across_processes != "gradients":
         # PyTorch processes: the window's one all-reduce, before its checks
         # (every process then applies, or drops, the same window).
-        torch_processes.sum_in_place(optimizer._process_sums() + [optimizer._window_bad])
+        torch_processes.sum_in_place(optimizer._process_sums() + [optimizer._window.bad])
     if checks_sums_at_end(optimizer):  # eager: a NaN of the window is in its sums
         window_ok = decided(
             kernels.finite([ops.convert_to_tensor(s) for s in optimizer._window_sums()])
@@ -265,7 +274,7 @@ def end_window(optimizer, variables, boundary):
     if window_ok is not True:
         dropped = both(boundary, window_ok is False or ops.logical_not(window_ok))
         if dropped is not False:
-            counter = optimizer._skipped_updates
+            counter = optimizer._window.skipped_updates
             counter.assign(counter + flag(dropped, _backend.INT))
         if dropped is True:  # eager: no NaN left in the sums (if any entered)
             for total in optimizer._window_sums():

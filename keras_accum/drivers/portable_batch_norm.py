@@ -1,6 +1,6 @@
 """`keras_accum.layers.BatchNormalization` on JAX and PyTorch: the layer
 counts its windows itself, as the optimizer bounds them
-(`keras_accum.base.WindowMixin`), and moves its moving statistics in the forward
+(`keras_accum.base.bounds`), and moves its moving statistics in the forward
 pass that ends a window, each write a select (no branch).
 
 The layer (`keras_accum.layers`) says what the window's statistics and the
@@ -64,12 +64,9 @@ class BatchNormalizationForm:
             )
 
     def _fold_micro_batch(self, inputs, mask, mean, variance, optimizer):
-        self._fold_and_count(inputs, mask, mean, variance, optimizer.steps)
-
-    def _fold_and_count(self, inputs, mask, mean, variance, steps):
         """JAX and PyTorch, in the training call: this micro-batch into the
         sums, the call counted, and where it ends the window (as the
-        optimizer bounds it, `keras_accum.base.WindowMixin`) the moving statistics
+        optimizer bounds it, `keras_accum.base.bounds`) the moving statistics
         moved and the sums restarted, each write a select (no branch)."""
         channels = self.window_sum.shape[0]
         items = math.prod(inputs.shape) // channels
@@ -82,17 +79,11 @@ class BatchNormalizationForm:
         total_sum, total_square_sum, total_count = [
             ops.convert_to_tensor(total) + term for total, term in zip(sums, terms)
         ]
-        # The window's bounds, as `WindowMixin._start_window` and
-        # `_window_done` set the optimizer's: a schedule is read when a
-        # window starts, and its value holds until the window ends.
+        # The window's bounds, as the optimizer's (`keras_accum.base.bounds`).
         step = ops.convert_to_tensor(self.micro_step)
-        end = ops.convert_to_tensor(self.window_end)
-        start = ops.greater_equal(step, end)
-        fresh = steps(step) if isinstance(steps, StepsSchedule) else steps
-        size = ops.where(
-            start, ops.cast(fresh, _backend.INT), ops.convert_to_tensor(self.window_steps)
-        )
-        end = ops.where(start, step + size, end)
+        held = [ops.convert_to_tensor(self.window_end), ops.convert_to_tensor(self.window_steps)]
+        steps = optimizer.steps
+        _, size, end = optimizer._window_bounds(step, *held, steps)
         step = step + 1
         done = ops.equal(step, end)
         self.micro_step.assign(step)

@@ -322,7 +322,7 @@ class SchedulesStudy:
         def warmup_probe(optimizer):
             before, b_simple = int(optimizer.steps.steps), probe(optimizer)
             after, step = int(optimizer.steps.steps), int(optimizer.micro_step)
-            assert int(optimizer._window_end) == step, "a window straddles the chunk end"
+            assert int(optimizer._window.end) == step, "a window straddles the chunk end"
             if method == "sqrt" and after != before:
                 _apply_sqrt_rule(optimizer, after, self.config)
                 optimizer.learning_rate = _sqrt_learning_rate(lr, after)

@@ -83,12 +83,15 @@ class Driver:
     def _flush_window(self):
         """`flush`: the window's end now, eagerly, in cross-replica context
         (its reads are totals over the replicas), and `on_window_end`'s
-        callbacks, as `_merge_apply` runs them."""
+        callbacks, as `_merge_apply` runs them; then the window's sums and
+        bad count cleared."""
         variables = _compat.trainable_variables(self)
         with self._creation_scope(), keras.name_scope(self.name, caller=self):
             self._end_window(variables)
             for callback in self._window_end_callbacks():
                 callback(None)
+        for variable in [*self._window_state(), self._window.bad]:
+            variable.assign(tf.zeros(variable.shape, variable.dtype))
 
     def _processes(self):
         return 1  # tf.distribute's replicas are `_replicas.count()`
@@ -100,10 +103,14 @@ class Driver:
 
     def _merge_apply(self, grads, trainable_variables, weight, overwrite):
         # Cross-replica context from here on: `grads` are per-replica values.
-        window_start = self._start_window()
+        state = self._window
+        window_start, size, end = state.bounds(self.steps)
+        if size is not None:  # a schedule's window, fixed where it starts
+            state.size.assign(size)
+            state.end.assign(end)
         if grads:
             self._tf_accumulate(grads, trainable_variables, weight, window_start)
-        micro_step = self._micro_step.assign_add(1)
+        micro_step = state.micro_step.assign_add(1)
         boundary = self._window_done(micro_step)
         self._overwrite_with_gradients(overwrite, boundary)
         followers = self._window_end_callbacks()
@@ -139,8 +146,10 @@ class Driver:
             self._finish_update(trainable_variables)
             _compat.update_counter(self).assign_add(1)
 
+        counters = self._window
+
         def drop():
-            self._skipped_updates.assign_add(1)
+            counters.skipped_updates.assign_add(1)
             self._tf_drop_window(trainable_variables)
 
         policy = self._nonfinite_policy
@@ -152,7 +161,7 @@ class Driver:
             _execution.keep_where(keep, trainable_variables, state, self, update, wrapped)
             if window_ok is not None:
                 dropped = boundary & tf.logical_not(window_ok)
-                self._skipped_updates.assign_add(tf.cast(dropped, "int64"))
+                counters.skipped_updates.assign_add(tf.cast(dropped, "int64"))
                 self._tf_drop_window(trainable_variables, dropped)
         elif window_ok is None:
             update()
@@ -161,9 +170,9 @@ class Driver:
         if counts_bad:
             restart = 0
             if boundary is not None:  # window_bad = 0 at the window's end
-                bad = _replicas.read_total(self._window_bad)
+                bad = _replicas.read_total(counters.bad)
                 restart = tf.where(boundary, tf.zeros_like(bad), bad)
-            _replicas.assign_total(self._window_bad, restart)
+            _replicas.assign_total(counters.bad, restart)
 
     def _finish_update(self, variables):
         """After an update, in Keras's order: EMA of the weights (and its

@@ -375,15 +375,15 @@ def screen(optimizer, grads, mask=True):
         # micro-step; what follows waits for it (nothing folds a NaN in).
         message = f"{optimizer.name}: {nonfinite.MESSAGE} at micro-step"
         check = tf.debugging.Assert(
-            all_finite(grads), [message, optimizer._micro_step + 1], summarize=1
+            all_finite(grads), [message, optimizer._window.micro_step + 1], summarize=1
         )
         with tf.control_dependencies([check]):
             return [map_values(tf.identity, g) for g in grads], None
     ok = all_finite(grads)
     bad = 1 - tf.cast(ok, "int64")
-    optimizer._skipped_micro_batches.assign_add(bad)
+    optimizer._window.skipped_micro_batches.assign_add(bad)
     if policy.drops_windows:
-        optimizer._window_bad.assign_add(bad)
+        optimizer._window.bad.assign_add(bad)
     if not mask:
         return grads, ok
     # g, or a broadcast scalar zero for a skipped micro-batch.
