@@ -1,34 +1,14 @@
 """keras_accum: micro-batch training for Keras 3 on TensorFlow, JAX and PyTorch.
 
-Three optimizers, each usable with `model.compile(optimizer=...)`:
-
-* `GradientAccumulation(optimizer, steps)`: weighted mean of micro-batch
-  gradients, one step of any Keras optimizer per window.
-* `UpdateAccumulationAdam(learning_rate, steps)`: Adam's moments see every
-  micro-batch; the summed updates are applied every `steps` micro-batches.
-* `InvariantAdam(learning_rate, steps)`: batch-size invariant Adam.
-
-`scale_hyperparameters` gives the learning rate and betas for a new number
-of micro-batches per update. `steps` may also be a schedule
-(`PiecewiseSteps`, `AdaptiveSteps`) that changes the window size during a
-run; `InvariantAdam(scaling_rule=...)` then rescales its hyperparameters
-per window.
-
-`keras_accum.layers.BatchNormalization` moves its moving statistics once per
-window, to the statistics of the window's items (`convert_batch_normalization`
-swaps it in for Keras's layer).
-
-`AccumulationLogger()` puts updates, examples, the window size and the
-window's mean loss into `model.fit`'s logs (History, `CSVLogger`).
-
-`rematerialize(model, "full")` returns a model (sharing `model`'s variables)
-that recomputes its layers in the backward pass: less activation memory
-when one micro-batch does not fit.
+Three optimizers for `model.compile(optimizer=...)`: `GradientAccumulation`
+(any Keras optimizer, one step per window of micro-batches),
+`UpdateAccumulationAdam` and `InvariantAdam` (batch-size invariant Adam);
+`steps` may be a schedule (`PiecewiseSteps`, `AdaptiveSteps`). Also
+`scale_hyperparameters`, `layers.BatchNormalization`, `AccumulationLogger`
+and `rematerialize`. See docs/index.md.
 """
 
-# No backend is chosen here: `KERAS_BACKEND` or ~/.keras/keras.json decide,
-# as for Keras itself. The scripts and the harness, which need TensorFlow,
-# set it themselves or refuse in one line.
+# No backend is chosen here: `KERAS_BACKEND` or ~/.keras/keras.json decide.
 import keras as _keras
 
 from keras_accum import _floor  # noqa: E402

@@ -1,10 +1,6 @@
-"""Which Keras backend runs, and TensorFlow only where it does.
-
-Under `KERAS_BACKEND=tensorflow` `tf` is the TensorFlow module. Under JAX or
-PyTorch it is a stand-in, so that importing keras_accum imports no
-TensorFlow (which on a GPU would take the device's memory from JAX): an
-`isinstance` against it is False, and any call names the TensorFlow-only
-feature that was used.
+"""Which Keras backend runs; `tf` is TensorFlow only under it, elsewhere a
+stand-in (no TensorFlow import, which would take a GPU from JAX) that no
+value is an instance of and whose calls raise naming the feature.
 """
 
 import contextlib
@@ -17,14 +13,12 @@ from keras import ops
 
 BACKEND = keras.backend.backend()
 IS_TENSORFLOW = BACKEND == "tensorflow"
-# The counters' integer dtype, as Keras's `iterations`: int64 under
-# TensorFlow and int32 under JAX (without x64) and PyTorch.
+# The counters' dtype, as `iterations`': int64 on TensorFlow, else int32.
 INT = keras.backend.standardize_dtype("int")
 
 
 class _TensorFlowOnly(type):
-    """A TensorFlow name under another backend: a class no value is an
-    instance of, whose call raises."""
+    """A TensorFlow name under another backend."""
 
     def __getattr__(cls, name):
         if name.startswith("__"):
@@ -45,21 +39,18 @@ else:
     tf = _TensorFlowOnly("tf", (), {})
 
 
-# A `tf.Module` under TensorFlow (`tf.train.Checkpoint` finds its
-# variables), a plain object elsewhere.
+# `tf.Module` (so `tf.train.Checkpoint` finds variables), else `object`.
 Module = tf.Module if IS_TENSORFLOW else object
 
 
 def map_structure(fn, struct):
-    """`fn` on every leaf of `struct`, a `None` leaf (no sample weight)
-    left alone: `tf.nest` under TensorFlow, `keras.tree` elsewhere."""
+    """`fn` on every non-None leaf of `struct`."""
     nest = tf.nest if IS_TENSORFLOW else keras.tree
     return nest.map_structure(lambda t: None if t is None else fn(t), struct)
 
 
 def flatten(struct):
-    """The leaves of `struct` (`tf.nest` under TensorFlow, `keras.tree`
-    elsewhere)."""
+    """The leaves of `struct`."""
     return (tf.nest if IS_TENSORFLOW else keras.tree).flatten(struct)
 
 
@@ -71,8 +62,7 @@ def add_n(terms):
 
 
 def static_value(value):
-    """`value`'s number when known now (a Python number, a constant, an
-    eager tensor), else None (traced)."""
+    """`value`'s number when known now, else None (traced)."""
     if isinstance(value, (int, float, np.number)):
         return value
     if IS_TENSORFLOW:
@@ -83,16 +73,13 @@ def static_value(value):
 
 
 def init_scope():
-    """TensorFlow's `init_scope` (eagerly, also while a graph is traced);
-    nothing elsewhere, where Python runs eagerly."""
+    """TensorFlow's `init_scope`; nothing elsewhere."""
     return tf.init_scope() if IS_TENSORFLOW else contextlib.nullcontext()
 
 
 def scalar_int(value):
-    """A scalar variable's value as an int, eagerly. Not through
-    convert_to_numpy: NumPy 2 deprecates Keras's `Variable.__array__` (no
-    `copy` argument), so under `-W error` every `fit` failed. Under
-    TensorFlow the value may be a MirroredVariable, which int() refuses."""
+    """A scalar variable as an int. Not `convert_to_numpy` (NumPy 2 warns on
+    `Variable.__array__`); a MirroredVariable needs `convert_to_tensor`."""
     return int(tf.convert_to_tensor(value) if IS_TENSORFLOW else value)
 
 
@@ -107,9 +94,7 @@ def require_tensorflow(feature):
 
 
 def wide_float():
-    """ "float64", or "float32" under JAX without `jax_enable_x64` (where a
-    float64 variable would silently hold float32): the dtype of state kept
-    wide for exact sums (`AdaptiveSteps`)."""
+    """ "float64", or "float32" under JAX without x64 (silently float32)."""
     if BACKEND == "jax":
         import jax
 
@@ -119,15 +104,12 @@ def wide_float():
 
 
 def executing_eagerly():
-    """False while TensorFlow traces a graph; True under JAX and PyTorch,
-    whose Python runs the steps it calls (JAX's `jit` traces, but Keras
-    calls what reads values outside it)."""
+    """False while TensorFlow traces; True under JAX and PyTorch."""
     return tf.executing_eagerly() if IS_TENSORFLOW else True
 
 
 def is_concrete(value):
-    """True when `value`'s number can be read now: not a symbolic
-    TensorFlow tensor, not a traced JAX value."""
+    """True when `value`'s number can be read now (not traced)."""
     if IS_TENSORFLOW:
         return not tf.is_symbolic_tensor(value) and hasattr(value, "numpy")
     try:

@@ -1,21 +1,15 @@
-"""The oldest Keras this package supports, checked when it is imported.
-
-Measured, not guessed: `.ci/floor` runs the optimizer, schedule, fit and
-saving tests with exactly `keras==KERAS_FLOOR` and the TensorFlow floor of
-setup.cfg. With Keras 3.5-3.7 (TensorFlow 2.16.2) 5 of them fail, all
-`model.fit` under a `MirroredStrategy` against one device; Keras 3.8 is the
-release whose `Loss` divides each replica's loss by the number of replicas,
-the convention the optimizers and `weigh_micro_batches` follow. No imports
-here: `packaging` need not be installed.
+"""The oldest Keras this package supports, checked at import (see
+docs/guides/testing.md). Keras 3.8 is the first whose `Loss` divides each
+replica's loss by the replica count, the convention the optimizers follow.
+No imports here: `packaging` need not be installed.
 """
 
 KERAS_FLOOR = "3.8.0"
 
 
 def release(version):
-    """The leading (major, minor, patch) numbers of a version string:
-    "3.16.0.dev2026" -> (3, 16, 0), "3.10.0rc1" -> (3, 10, 0); a missing
-    or non-numeric part counts as 0."""
+    """(major, minor, patch) of a version string: "3.10.0rc1" -> (3, 10, 0);
+    a missing or non-numeric part counts as 0."""
     numbers = []
     for part in str(version).split(".")[:3]:
         digits = ""

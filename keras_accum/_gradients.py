@@ -1,16 +1,7 @@
-"""The gradient of a model's compiled loss, on each backend: the one place
-`keras_accum.diagnostics` differentiates (its probe micro-batches).
-
-TensorFlow: `tf.GradientTape` (`tape_gradients`, traced into the probe's
-`tf.function`). JAX: `jax.grad` of `model.compute_loss_and_updates` over
-the variables' values, stateless, jitted once per model. PyTorch:
-`torch.autograd.grad` of the loss of an eager forward pass. Each backend's
-module is imported only when its function runs: under JAX or PyTorch no
-TensorFlow is imported.
-
-Every forward pass runs with `training=True` (dropout on, batch norm in
-batch mode, as in `train_step`); the non-trainable and metric variables it
-changes are as before when `micro_batch_gradients` is done.
+"""The gradient of a model's compiled loss on each backend, for the noise
+probes (`keras_accum.diagnostics`): a tape, a jitted stateless `jax.grad`,
+or `torch.autograd.grad`. Forward passes run with `training=True`; the
+model's non-trainable and metric state is left as it was.
 """
 
 from keras import ops
@@ -19,8 +10,7 @@ from keras_accum import _backend, _compat
 
 
 def tape_gradients(model, x, y, sample_weight):
-    """TensorFlow: the gradients of the compiled loss of one micro-batch
-    with respect to `model.trainable_variables` (None where unconnected)."""
+    """TensorFlow: one micro-batch's gradients (None where unconnected)."""
     tf = _backend.tf
     with tf.GradientTape() as tape:
         y_pred = model(x, training=True)
@@ -31,11 +21,8 @@ def tape_gradients(model, x, y, sample_weight):
 
 
 class MicroBatchGradients:
-    """`gradients(batches)`: for each `(x, y, sample_weight)` of `batches`,
-    the list of gradients of the compiled loss with respect to
-    `model.trainable_variables` (zeros where unconnected), one micro-batch
-    at a time; the model's state as before once exhausted. JAX and
-    PyTorch (TensorFlow's probe traces `tape_gradients`)."""
+    """JAX and PyTorch: `gradients(batches)` yields each `(x, y,
+    sample_weight)`'s gradients (zeros where unconnected)."""
 
     def __init__(self, model):
         self.model = model
@@ -80,8 +67,7 @@ class MicroBatchGradients:
         non_trainable = [v.value for v in model.non_trainable_variables]
         metrics = [v.value for v in model.metrics_variables]
         for x, y, sample_weight in batches:
-            # The RNG seeds and statistics move from one micro-batch to the
-            # next, and are never written back: stateless.
+            # Seeds and statistics carry over, never written back.
             grads, non_trainable = self._jitted(
                 trainable, non_trainable, metrics, x, y, sample_weight
             )
@@ -94,8 +80,7 @@ class MicroBatchGradients:
         weights = model.trainable_variables
         state = model.non_trainable_variables + model.metrics_variables
         saved = [ops.copy(v.value) for v in state]
-        # Dropout without a seed draws from PyTorch's global generator: the
-        # probe's draws must not move training's.
+        # Unseeded dropout draws from the global generator: keep training's.
         rng = torch.random.fork_rng()  # the CPU's and CUDA's generators
         rng.__enter__()
         try:

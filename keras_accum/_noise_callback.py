@@ -1,5 +1,4 @@
-"""`NoiseScaleCallback`: B_simple during `model.fit`, from a probe batch
-(`keras_accum.diagnostics`, which documents it and re-exports it)."""
+"""`NoiseScaleCallback`: B_simple during `model.fit` (re-exported by `keras_accum.diagnostics`)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ from keras import ops
 from keras_accum import _backend, _gradients
 from keras_accum._noise_scale import GradientNoiseScale, squared_norm
 
-# TensorFlow's probe (a traced `tf.while_loop`, `tf.data` input); JAX and
-# PyTorch probe through `keras_accum._gradients`.
+# TensorFlow's probe is a traced `tf.while_loop`; JAX and PyTorch use `_gradients`.
 if _backend.IS_TENSORFLOW:
     from keras_accum.drivers.tensorflow import noise_probe as _tensorflow
 else:
@@ -28,48 +26,25 @@ def _numpy(value):
 class NoiseScaleCallback(keras.callbacks.Callback):
     """Estimates B_simple during `model.fit` from a probe batch.
 
-    Every `every_n_batches` training batches (counted across epochs) it takes
-    kappa * b probe examples, splits them into kappa micro-batches of b,
-    computes each micro-batch's gradient of the compiled loss
-    (`model.compute_loss`, including regularisation losses) and feeds a
-    `GradientNoiseScale`. At each epoch end it writes the current
-    `noise_scale` (B_simple), `trace_sigma` and `grad_sq_norm` (``|G|^2``) into
-    the epoch logs, so they reach `History`; put this callback before a
-    `CSVLogger` in the list so the logger sees them. They are nan until the
-    first probe has run.
-
-    Cost: each probe is kappa extra forward/backward passes on b examples
-    (one training step's worth of compute when kappa * b equals the training
-    batch), one micro-batch at a time: under TensorFlow in a
-    `tf.while_loop`, traced once; under JAX a jitted `jax.grad` of the
-    model's stateless loss, compiled once; under PyTorch eager autograd.
-    Memory added: one parameter-sized buffer for the running sum of the
-    micro-batch gradients plus a few scalars (and, transiently, one copy of
-    the non-trainable and metric variables, see below: large if a frozen
-    backbone's weights are among them). No parameter moves.
-
-    Side effects are undone: the forward passes run with `training=True`
-    (dropout on, batch norm in batch mode, as in `train_step`), and the
-    non-trainable variables (batch norm statistics, RNG seeds) and metric
-    variables are restored after each probe (under JAX never written: the
-    probe is stateless).
-
-    Under `tf.distribute.MirroredStrategy` the probe runs, like every
-    callback of `fit`, outside the strategy scope, in cross-replica context:
-    whole micro-batches on one device, the same numbers as without the
-    strategy. Calling `probe_fn` inside the scope is not supported.
+    Every `every_n_batches` training batches it feeds a `GradientNoiseScale`
+    the gradients of the compiled loss (`training=True`) on kappa probe
+    micro-batches of b examples; no parameter moves and the non-trainable
+    and metric variables are restored. At each epoch end it writes
+    `noise_scale` (B_simple), `trace_sigma` and `grad_sq_norm` (``|G|^2``)
+    into the logs, nan until the first probe; list it before `CSVLogger`.
+    Cost, memory and distribution: docs/guides/diagnostics.md.
 
     Args:
-        data: `(x, y)` or `(x, y, sample_weight)` arrays with at least
-            kappa * b examples; each probe draws kappa * b of them at random
-            without replacement. Or a `tf.data.Dataset` of such batches
-            (each with at least kappa * b examples; the first kappa * b are
-            used), repeated as needed (TensorFlow only).
+        data: `(x, y)` or `(x, y, sample_weight)` arrays of at least
+            kappa * b examples, kappa * b drawn without replacement per
+            probe; or (TensorFlow) a `tf.data.Dataset` of such batches, the
+            first kappa * b of each used, repeated as needed.
         micro_batch_size: b.
         kappa: micro-batches per probe (>= 2); B = kappa * b.
         every_n_batches: probe period, in `on_train_batch_end` calls (one per
-            `steps_per_execution` steps).
-        ema: decay of the tracker's EMAs. seed: for the array draws.
+            `steps_per_execution` steps), counted across epochs.
+        ema: decay of the tracker's EMAs.
+        seed: for the array draws.
     """
 
     def __init__(
@@ -123,8 +98,7 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         return _tensorflow.as_tensors(data)
 
     def _probe_portable(self, data):
-        """The probe under JAX and PyTorch: the micro-batches' gradients from
-        `keras_accum._gradients`, summed as they come."""
+        """The JAX and PyTorch probe: micro-batch gradients, summed as they come."""
         model, kappa, b = self.model, self.kappa, self.micro_batch_size
         if self._gradients is None or self._gradients.model is not model:
             self._gradients = _gradients.MicroBatchGradients(model)
@@ -150,10 +124,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
             logs.update({k: float(v) for k, v in self.tracker.result().items()})
 
     def get_state(self):
-        """The estimator's state as JSON-serialisable values: batches seen,
-        the tracker's variables and the position in `data`, so that a
-        resumed run (`set_state`) probes the same batches and reports the
-        same numbers as an uninterrupted one."""
+        """JSON-serialisable state (batches seen, tracker, position in `data`):
+        a resumed run probes the same batches as an uninterrupted one."""
         tracker = self.tracker
         return {
             "seen": self._seen,
@@ -164,9 +136,8 @@ class NoiseScaleCallback(keras.callbacks.Callback):
         }
 
     def set_state(self, state):
-        """Restores `get_state()` into a fresh callback; its dataset
-        iterator is advanced past the probes already drawn (a new iterator
-        of a reshuffling dataset could see another order)."""
+        """Restores `get_state()`, advancing this callback's own dataset
+        iterator (another iterator could reshuffle differently)."""
         self._seen = int(state["seen"])
         self.tracker.updates.assign(state["updates"])
         self.tracker.trace_sigma_acc.assign(state["trace_sigma_acc"])

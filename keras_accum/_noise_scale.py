@@ -1,7 +1,5 @@
-"""The gradient noise scale's estimator (`keras_accum.diagnostics`, which
-documents it and re-exports its public names): the squared norms gradients
-are measured in, the one-window estimates of ``|G|^2`` and tr(Sigma), and
-the running B_simple of `GradientNoiseScale`."""
+"""The gradient noise scale's estimator: squared norms, one-window estimates
+and `GradientNoiseScale` (documented and re-exported by `keras_accum.diagnostics`)."""
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ def _sq_norm_one(g, weight=None):
     if g is None:
         return ops.zeros((), "float32")
     if isinstance(g, tf.IndexedSlices):  # never, except under TensorFlow
-        # Rows with repeated indices add up in the dense gradient: sum them
-        # per row before squaring, |a + b|^2 != |a|^2 + |b|^2.
+        # Repeated rows add up in the dense gradient: sum them before squaring.
         unique, pos = tf.unique(g.indices)
         values = tf.math.unsorted_segment_sum(g.values, pos, tf.shape(unique)[0])
         if weight is not None:
@@ -41,10 +38,11 @@ def _sq_norm_one(g, weight=None):
 def squared_norm(grads: Sequence[Any], weights: Sequence[Any] | None = None) -> Any:
     """Sum of squared entries of a list of gradients, as float32.
 
-    `None` entries count as zero; `tf.IndexedSlices` count as their dense
-    equivalent (duplicate indices summed). `weights` (optional, one tensor
-    per gradient, the variable's shape) gives sum w g^2, the squared norm in
-    the metric diag(w).
+    Args:
+        grads: gradients; `None` counts as zero, `tf.IndexedSlices` as its
+            dense equivalent (duplicate indices summed).
+        weights: optional, one tensor per gradient (the variable's shape):
+            gives sum w g^2, the squared norm in the metric diag(w).
     """
     weights = [None] * len(grads) if weights is None else list(weights)
     terms = [_sq_norm_one(g, w) for g, w in zip(grads, weights)]
@@ -58,15 +56,15 @@ def euclidean_noise_norm(optimizer: Any = None):
 
 
 def adam_preconditioned_noise_norm(optimizer: Any):
-    """sum g^2 / (sqrt(v_hat) + epsilon) with the second moments of the
-    built Adam-like `optimizer` (read at each call): the squared norm in
-    coordinates theta' = P^(1/2) theta, P = diag(sqrt(v_hat) + epsilon),
-    where Adam's step with P frozen is plain SGD (the change of variables of
-    the preconditioned sharpness lambda_max(P^-1 H), ALGORITHMS.md section
-    7). B_simple in that norm is tr(P^-1 Sigma) / (G^T P^-1 G), McCandlish
-    et al.'s B_simple of the SGD the optimizer runs. Before the first update
-    (v = 0, no bias correction yet) the weights are uniform (1 / epsilon),
-    which gives the plain B_simple."""
+    """A squared-norm function, sum g^2 / (sqrt(v_hat) + epsilon): Adam's metric P.
+
+    B_simple in it, tr(P^-1 Sigma) / (G^T P^-1 G), is that of the SGD Adam
+    runs with P frozen (docs/guides/diagnostics.md); before the first update
+    (weights 1 / epsilon), the plain B_simple.
+
+    Args:
+        optimizer: built, as for `sharpness.adam_preconditioner` (v read per call).
+    """
     epsilon = float(getattr(optimizer, "inner_optimizer", optimizer).epsilon)
 
     def norm(grads):
@@ -77,9 +75,8 @@ def adam_preconditioned_noise_norm(optimizer: Any):
     return norm
 
 
-# name -> factory(optimizer) -> squared_norm(grads): the norm a noise-scale
-# estimate measures gradients in (`GradientNoiseScale(squared_norm=...)`,
-# `AdaptiveSteps(noise_estimate=...)`).
+# name -> factory(optimizer) -> squared_norm(grads), for
+# `GradientNoiseScale(squared_norm=...)` and `AdaptiveSteps(noise_estimate=...)`.
 NOISE_ESTIMATES = {
     "b_simple": euclidean_noise_norm,
     "adam_preconditioned": adam_preconditioned_noise_norm,
@@ -87,9 +84,13 @@ NOISE_ESTIMATES = {
 
 
 def noise_estimate_norm(noise_estimate: Any, optimizer: Any = None):
-    """The squared-norm function of `noise_estimate` (a `NOISE_ESTIMATES`
-    name, or a factory `fn(optimizer) -> fn(grads) -> scalar`) for
-    `optimizer`."""
+    """The squared-norm function of a noise estimate for `optimizer`.
+
+    Args:
+        noise_estimate: a `NOISE_ESTIMATES` name ("b_simple",
+            "adam_preconditioned") or a factory `fn(optimizer) -> fn(grads)`.
+        optimizer: passed to the factory.
+    """
     if isinstance(noise_estimate, str):
         if noise_estimate not in NOISE_ESTIMATES:
             raise ValueError(
@@ -123,8 +124,8 @@ def noise_scale_estimates(
     Args:
         small_sq_norm: ``|g_b|^2``, mean squared norm of the micro-batch gradients.
         big_sq_norm: ``|g_B|^2``, squared norm of the window's mean gradient.
-        small_batch: b. big_batch: B. Checked `B > b > 0` when their values
-            are known at trace time (Python numbers, constants, eager).
+        small_batch: b.
+        big_batch: B; `B > b > 0` is checked when both are known at trace time.
     """
     _check_sizes(small_batch, big_batch)
     s = ops.cast(small_sq_norm, "float32")
@@ -156,24 +157,18 @@ def _mean_grad(column):
 class GradientNoiseScale(_backend.Module):
     """Running B_simple from bias-corrected EMAs of ``|G|^2`` and tr(Sigma).
 
-    State (float32 variables; under TensorFlow `tf.Variable`s of this
-    `tf.Module`, checkpointable with `tf.train.Checkpoint`, elsewhere
-    `keras.Variable`s; `updates` is int64, int32 under JAX without x64):
-    `updates` (windows seen), `trace_sigma_acc` and `g2_acc` (raw EMAs,
-    acc = ema * acc + (1 - ema) * x, starting from 0). Reported values are
-    bias-corrected, acc / (1 - ema**updates), as in Adam, so the first
-    windows are not pulled towards 0. Before any update all results are nan.
-
-    `b_simple` = trace_sigma / g2 (the bias corrections cancel). When the
-    smoothed ``|G|^2`` is <= 0 the signal is not resolved above the noise and
-    `b_simple` is +inf: never a clipped or negative number. `trace_sigma`
-    and `g2` give the smoothed values as they are, signs included.
+    State: `updates` (windows seen), `trace_sigma_acc` and `g2_acc` (raw
+    EMAs from 0, acc = ema * acc + (1 - ema) * x). `trace_sigma` and `g2`
+    are bias-corrected, acc / (1 - ema**updates), signs included;
+    `b_simple` = trace_sigma / g2 is +inf when the smoothed ``|G|^2`` is
+    <= 0. All are nan before the first update. Under TensorFlow this is a
+    `tf.Module` (`tf.train.Checkpoint`); see docs/guides/diagnostics.md.
 
     Args:
         ema: decay in [0, 1); 0 keeps only the last window.
-        squared_norm: the norm gradients are measured in, a function of a
-            gradient list (default: the Euclidean `squared_norm`; e.g.
-            `adam_preconditioned_noise_norm(optimizer)`).
+        name: the `tf.Module`'s name (TensorFlow).
+        squared_norm: a function of a gradient list (default `squared_norm`;
+            or e.g. `adam_preconditioned_noise_norm(optimizer)`).
     """
 
     def __init__(self, ema: float = 0.95, name: str | None = None, squared_norm=None):
@@ -214,12 +209,13 @@ class GradientNoiseScale(_backend.Module):
     def update_from_micro_grads(
         self, micro_grads: Sequence[Sequence[Any]], micro_batch_size: float
     ) -> Any:
-        """Feeds one window from explicit gradients.
+        """Feeds one window from explicit gradients; returns `b_simple`.
 
         Args:
-            micro_grads: list of kappa >= 2 gradient lists (one per
-                micro-batch, same variables in the same order), each the mean
-                gradient over `micro_batch_size` examples.
+            micro_grads: kappa >= 2 gradient lists (one per micro-batch, the
+                same variables in the same order), each a mean over
+                `micro_batch_size` examples.
+            micro_batch_size: b.
         """
         kappa = len(micro_grads)
         if kappa < 2:

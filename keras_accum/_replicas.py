@@ -1,18 +1,6 @@
-"""Everything the optimizers do across replicas, in one place.
-
-The optimizers' files make no `tf.distribute` call: the base class enters
-cross-replica context (`merge_call`, in `AccumulationOptimizer.apply`) and
-the hooks it calls use these verbs, which work the same on one device and
-under `MirroredStrategy` / `MultiWorkerMirroredStrategy`:
-
-* `for_each_replica(fn, *args)`: cross-replica -> each replica runs `fn`
-  on its own share of per-replica `args`;
-* `update_each(variables, fn, *args)`: `fn(variable, *args)` on every copy
-  of each (mirrored) variable;
-* `sum_over_replicas(pairs)`: one batched all-reduce (SUM) of
-  (per-replica value, destination variable) pairs;
-* `add_local_variable`, `read_total`, `assign_total`, `scatter_add`:
-  replica-local (sync-on-read) state, each replica holding its own part.
+"""Every `tf.distribute` call of the optimizers: verbs that work alike on
+one device and under (MultiWorker)MirroredStrategy, and replica-local
+(sync-on-read, SUM) state.
 """
 
 import contextlib
@@ -38,8 +26,7 @@ def count():
 
 
 def count_at_build(optimizer):
-    """Replicas of the strategy `optimizer` was created under (1 under
-    JAX and PyTorch, whose data parallelism hands it global gradients)."""
+    """Replicas of `optimizer`'s strategy (1 under JAX and PyTorch)."""
     if not _backend.IS_TENSORFLOW:
         return 1
     return _compat.optimizer_strategy(optimizer).num_replicas_in_sync
@@ -51,8 +38,7 @@ def is_first_replica():
 
 
 def merge(fn, *args):
-    """Replica context -> `fn(*args)` once, in cross-replica context (its
-    arguments become per-replica values). The one sync point of `apply`."""
+    """Replica context -> `fn(*args)` once, cross-replica (`merge_call`)."""
     context = tf.distribute.get_replica_context()
     if context is None:
         raise ValueError("must be called in a replica context (inside `strategy.run`)")
@@ -60,22 +46,20 @@ def merge(fn, *args):
 
 
 def for_each_replica(fn, *args):
-    """Cross-replica context -> `fn(*args)` on each replica (replica
-    context), per-replica arguments unwrapped. Returns per-replica values."""
+    """Cross-replica -> `fn(*args)` on each replica; per-replica results."""
     return strategy().extended.call_for_each_replica(fn, args=args)
 
 
 def update_each(variables, fn, *args):
-    """`fn(variable, *args)` for each variable, on each of its copies
-    (cross-replica context); mirrored `args` are unwrapped per copy."""
+    """`fn(variable, *args)` on each copy of each variable (cross-replica)."""
     extended = strategy().extended
     for variable in variables:
         extended.update(getattr(variable, "value", variable), fn, args=args, group=False)
 
 
 def sum_over_replicas(pairs):
-    """[sum over replicas of value] for (per-replica value, variable) pairs,
-    each total placed with its variable: one batched all-reduce."""
+    """Sums of (per-replica value, variable) pairs, each placed with its
+    variable: one batched all-reduce."""
     if not pairs:
         return []
     pairs = [(value, getattr(variable, "value", variable)) for value, variable in pairs]
@@ -88,8 +72,7 @@ def sum_scalars(value):
 
 
 def local_value(value):
-    """The first local replica's component of a distributed value (a value
-    every replica holds alike), or `value` itself."""
+    """The first local component of a distributed value."""
     return strategy().experimental_local_results(value)[0]
 
 
@@ -98,25 +81,20 @@ def is_per_replica(value):
 
 
 def _sync_on_read(next_creator, **kwargs):
-    """A `tf.variable_creator_scope` creator: the `tf.Variable` inside a
-    `keras.Variable` becomes sync-on-read, SUM. Through TensorFlow because
-    `keras.Variable` takes `synchronization=` only from Keras 3.10 on; this
-    way is the same on every Keras version (3.8.0-3.15.1 checked)."""
+    """A variable creator making sync-on-read, SUM variables (Keras < 3.10
+    takes no `synchronization=`; checked 3.8.0-3.15.1)."""
     kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
     kwargs["aggregation"] = tf.VariableAggregation.SUM
     return next_creator(**kwargs)
 
 
 def sync_on_read():
-    """A context in which each `keras.Variable` created is replica-local
-    (sync-on-read, SUM): each replica holds its own part, a read in
-    cross-replica context (or a save) sees the total."""
+    """A context whose new `keras.Variable`s are replica-local."""
     return tf.variable_creator_scope(_sync_on_read)
 
 
 def replica_scalar(initial, name):
-    """A float32 `tf.Variable` of one value per replica (sync-on-read,
-    SUM), tracked and saved by no one: `weigh_micro_batches`'s item count."""
+    """A replica-local float32 `tf.Variable`, saved by no one."""
     return tf.Variable(
         initial,
         trainable=False,
@@ -128,32 +106,24 @@ def replica_scalar(initial, name):
 
 
 def read_local(variable):
-    """Replica context: this replica's value of a replica-local variable
-    (a copy: the variable may be written next)."""
+    """Replica context: a copy of this replica's value."""
     return tf.identity(variable.read_value())
 
 
 def slot_name(reference, name):
-    """A slot's name after its model variable, as Keras's
-    `add_variable_from_reference` names it ("dense_kernel_momentum")."""
+    """A slot's name, as Keras's ("dense_kernel_momentum")."""
     prefix = getattr(reference, "path", reference.name)
     return f"{prefix.replace('/', '_').replace(':', '_')}_{name}"
 
 
 def add_local_variable(optimizer, shape, dtype, name, reference=None):
-    """A replica-local variable of `optimizer`: each replica holds its own
-    part, a read in cross-replica context (or a checkpoint) sees the sum,
-    and a cross-replica assign splits the value evenly over the replicas.
-    With `reference` (a model variable) it is named after it and placed
-    with it: colocated under `tf.distribute`, sharded as it is under
-    `keras.distribution` (JAX)."""
+    """A replica-local variable of `optimizer` (read: the sum; a
+    cross-replica assign: split evenly), named and placed after `reference`."""
     colocate = contextlib.nullcontext()
     if reference is not None:
         name = slot_name(reference, name)
     if not _backend.IS_TENSORFLOW:  # one device's worth of state
-        # Under `keras.distribution` it takes its reference's layout, as a
-        # slot of `add_variable_from_reference` does (without, the
-        # distribution would replicate it: its path is in no LayoutMap).
+        # Its reference's layout, else `keras.distribution` replicates it.
         layout = None if reference is None else _compat.variable_layout(reference)
         with keras.name_scope(optimizer.name, caller=optimizer):
             variable = keras.Variable(
@@ -188,23 +158,18 @@ def add_local_variable(optimizer, shape, dtype, name, reference=None):
 
 
 def read_total(variable):
-    """Value of a replica-local variable summed over replicas. Called in
-    cross-replica context, where reading such a variable performs the
-    reduction."""
+    """Cross-replica: a replica-local variable's total (a reduction)."""
     return tf.convert_to_tensor(variable.value)
 
 
 def assign_total(variable, value):
-    """Cross-replica assign to a replica-local variable: each replica gets
-    value / replicas. No read-back (that would be one more reduction)."""
+    """Cross-replica: each replica gets value / replicas (no read-back)."""
     variable.value.assign(tf.cast(value, variable.dtype), read_value=False)
 
 
 def scatter_add(variable, slices):
-    """variable[slices.indices] += slices.values, repeated rows summed: a
-    write of the rows seen, not of the whole variable. Through the variable's
-    handle, which in replica context is the local replica's component (a
-    replica-local variable has no `scatter_add` of its own)."""
+    """variable[indices] += values, repeated rows summed, through the
+    handle (the local component; a replica-local one has no scatter_add)."""
     tf.raw_ops.ResourceScatterAdd(
         resource=variable.handle, indices=slices.indices, updates=slices.values
     )

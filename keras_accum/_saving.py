@@ -1,10 +1,5 @@
-"""Restoring an accumulating optimizer's state, or refusing to lose it.
-
-Keras skips loading, with a mere warning, when the saved optimizer has
-another number of variables (for example a changed `steps`): the run would
-silently restart its moments and lose the window in progress. Here a
-mismatch raises, and a state loaded before the optimizer is built (a model
-compiled but not trained yet) is kept and restored when it is built.
+"""Restoring an optimizer's state, or refusing to lose it: a mismatch
+raises (Keras only warns), and a state loaded before `build` is restored then.
 """
 
 import warnings
@@ -16,21 +11,18 @@ from keras_accum import _backend
 
 
 class StateMixin:
-    """`get_weights`, `set_weights` and checkpoint loading of
-    `keras_accum.base.AccumulationOptimizer`."""
+    """`AccumulationOptimizer`'s weights and checkpoint loading."""
 
     def get_weights(self):
-        """Values of `variables`: the whole state, a wrapped optimizer's too
-        (`PerDeviceGradients`' rows on several processes gathered: every
-        process calls it at once)."""
+        """Values of `variables`, a wrapped optimizer's too (per-device rows
+        gathered: on several processes, every process must call it)."""
         route = getattr(self, "_device_route", None)
         if route is None:
             return [keras.ops.convert_to_numpy(v) for v in self.variables]
         return [route.whole(v) if route.holds(v) else v.numpy() for v in self.variables]
 
     def set_weights(self, weights):
-        """Sets every variable of `variables` (for `GradientAccumulation`
-        the inner optimizer's too), in the order `get_weights` returns."""
+        """Sets `variables` in `get_weights`' order."""
         if not self.built:
             raise ValueError("Build the optimizer before calling `set_weights()`.")
         if len(weights) != len(self.variables):
@@ -48,8 +40,7 @@ class StateMixin:
             variable.assign(weight)
 
     def save_own_variables(self, store):
-        """Keras's, but a per-device window variable of a run on several
-        processes stores the rows this process holds (see `_state_value`)."""
+        """Keras's; a per-device variable stores this process's rows."""
         for i, variable in enumerate(self.variables):
             store[str(i)] = self._state_value(variable)
 
@@ -60,8 +51,7 @@ class StateMixin:
         return variable.numpy()
 
     def _assign_state(self, variable, value):
-        """`variable.assign(value)`, a per-device window variable's saved
-        rows (this process's, on several processes) placed back on them."""
+        """`variable.assign(value)`, per-device rows placed back."""
         route = getattr(self, "_device_route", None)
         if route is not None and route.holds(variable):
             value = route.rows_from(variable, value)
@@ -73,8 +63,7 @@ class StateMixin:
             for i, variable in enumerate(self.variables):
                 self._assign_state(variable, store[str(i)])
         elif not self.built:
-            # `load_weights` into a model compiled but not trained yet: the
-            # state is restored when the optimizer is built (its first step).
+            # Compiled, not trained yet: restored at `build`.
             self._defer_state([np.array(store[str(i)]) for i in range(saved)])
         elif saved == getattr(self, "_unbuilt_count", None):
             warnings.warn(
@@ -107,9 +96,7 @@ class StateMixin:
         if len(state) == self._unbuilt_count:
             return  # saved before its first step: nothing to restore
         if len(state) != len(self.variables):
-            # Too late to raise where `load_weights(skip_mismatch=True)` could
-            # catch it: skip loudly, as Keras does (e.g. pretrained layer
-            # weights saved with another optimizer).
+            # Too late to raise where `skip_mismatch` could catch it: warn.
             warnings.warn(
                 f"{self._mismatch(len(state))} Its saved state is skipped: it starts afresh.",
                 stacklevel=2,

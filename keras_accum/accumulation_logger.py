@@ -1,18 +1,4 @@
-"""`AccumulationLogger`: the accumulation's counts in Keras's logs.
-
-Keras's `fit` logs a batch's loss and metrics; with accumulation a batch is
-a micro-batch, and what a run is measured in (updates, examples, the window
-size in force) is optimizer state that History, `CSVLogger` and the
-progress bar never see. The callback adds them to the logs of every batch
-and epoch (see its docstring); list it before `CSVLogger` (callbacks see
-the logs in their order; History and the progress bar come last).
-
-The examples are those `fit` trained in this run (the batch sizes Keras's
-own loss mean counts); the window's mean loss weighs each micro-batch's
-loss by its examples, as the big batch's mean would. Under
-`weigh_micro_batches` the items `GradientAccumulation` weighed the window
-by (tokens, for a token-mean loss) are logged too.
-"""
+"""`AccumulationLogger`: the accumulation's counts in Keras's logs (docs/guides/fit.md)."""
 
 from __future__ import annotations
 
@@ -31,26 +17,16 @@ def _number(value):
 
 
 class AccumulationLogger(keras.callbacks.Callback):
-    """Puts the accumulation's counts into `model.fit`'s logs, so that
-    History, `CSVLogger` and the progress bar show them.
+    """Puts the accumulation's counts into `model.fit`'s logs (History, `CSVLogger`).
 
-    Keys, read after each micro-batch (and at each epoch's end, the values
-    then):
-
-    * `updates`: the optimizer's `iterations` (windows applied).
-    * `examples`: examples trained by this logger's `fit` runs so far.
-    * `tokens`: under `weigh_micro_batches` only, the items the window
-      means were weighed by so far (tokens for a token-mean loss).
-    * `window_steps`: micro-batches per replica of the window in force (a
-      schedule's current value).
-    * `window_loss`: the mean loss, over their examples, of the
-      micro-batches of the last window that ended (applied, or dropped for
-      a non-finite gradient); before the first one ends, of the window so
-      far.
-
-    Counts per call of `on_train_batch_end`: with `steps_per_execution` > 1
-    a call covers several micro-batches, and `window_loss` then mixes the
-    windows that end inside one call.
+    Keys, after each batch and at each epoch's end: `updates` (the
+    optimizer's `iterations`), `examples` (trained by this logger's `fit`
+    runs), `tokens` (under `weigh_micro_batches`: the items windows were
+    weighed by), `window_steps` (the window size in force) and `window_loss`
+    (the example-weighted mean loss of the last window that ended, applied or
+    dropped; before that, of the window so far). List it before `CSVLogger`.
+    With `steps_per_execution` > 1, `window_loss` mixes the windows ending
+    in one call. See docs/guides/diagnostics.md.
 
     Example:
         >>> import numpy as np, keras, keras_accum as ka

@@ -1,5 +1,4 @@
-"""Constructor, clipping and Adam arithmetic shared by the two Adam
-variants (`InvariantAdam`, `UpdateAccumulationAdam`)."""
+"""Constructor, clipping and Adam arithmetic of the two Adam variants."""
 
 from typing import Any
 
@@ -12,8 +11,7 @@ from keras_accum.validation import check_choice, check_float, check_rate
 
 # Base-optimizer arguments the Adam variants do not implement.
 ADAM_UNSUPPORTED = ("gradient_accumulation_steps",)
-# Variables of these dtypes keep their moments in `state_dtype`: in
-# bfloat16 beta_2 = 0.999 rounds to 1.0, and Adam's step to 0.
+# Variables of these dtypes keep their moments in `state_dtype`.
 LOW_PRECISION = ("bfloat16", "float16")
 STATE_DTYPES = ("float32", None)
 
@@ -21,16 +19,8 @@ STATE_DTYPES = ("float32", None)
 class AdamFamily(AccumulationOptimizer):
     """Constructor and config shared by the two Adam variants.
 
-    Keras's `clipnorm`, `clipvalue`, `global_clipnorm`, `use_ema`,
-    `ema_momentum`, `ema_overwrite_frequency`, `loss_scale_factor` and
-    `weight_decay` are accepted; with `steps=1` on one replica each behaves as
-    in `keras.optimizers.Adam`.
-
-    `state_dtype`: the dtype of the moments (and buffer) of a bfloat16 or
-    float16 variable, "float32" by default; None keeps them in the
-    variable's own dtype, as `keras.optimizers.Adam` does (where bfloat16
-    rounds beta_2 = 0.999 to 1 and the step to 0). The step is computed in
-    `state_dtype` and written to the variable in its own dtype.
+    Keras's optimizer arguments are accepted, as in `keras.optimizers.Adam`
+    at `steps=1`; see docs/guides/adam.md (Reference) for what each does.
     """
 
     def __init__(
@@ -75,14 +65,12 @@ class AdamFamily(AccumulationOptimizer):
         self.state_dtype = check_choice("state_dtype", state_dtype, STATE_DTYPES)
 
     def _slot_dtype(self, dtype):
-        """The dtype of the moments of a variable of `dtype`: `state_dtype`
-        for bfloat16 and float16, else `dtype`."""
+        """`state_dtype` for a bfloat16 or float16 `dtype`, else `dtype`."""
         dtype = keras.backend.standardize_dtype(dtype)
         return self.state_dtype if self.state_dtype and dtype in LOW_PRECISION else dtype
 
     def _slot(self, variable, name):
-        """A slot of `variable` (Keras's `add_variable_from_reference`: named
-        and sharded after it) in `_slot_dtype`."""
+        """A slot named and sharded after `variable`, in `_slot_dtype`."""
         dtype = self._slot_dtype(variable.dtype)
         if dtype == keras.backend.standardize_dtype(variable.dtype):
             return self.add_variable_from_reference(variable, name)
@@ -95,13 +83,12 @@ class AdamFamily(AccumulationOptimizer):
         )
 
     def _clips(self):
-        """True when Keras's `clipnorm`, `global_clipnorm` or `clipvalue`
-        is set."""
+        """True when `clipnorm`, `global_clipnorm` or `clipvalue` is set."""
         return bool(self.clipnorm or self.global_clipnorm or self.clipvalue)
 
     def _clip_micro_batch(self, grads, replicas):
-        """Keras's clipping applied to one micro-batch's mean gradient; the
-        incoming per-replica share is `replicas` times smaller."""
+        """Keras's clipping of one micro-batch's mean gradient (its share
+        arrives `replicas` times smaller)."""
         if not self._clips():
             return grads
         if replicas == 1:
@@ -110,15 +97,12 @@ class AdamFamily(AccumulationOptimizer):
         return [g / replicas for g in clipped]
 
     def _adam_alpha(self, learning_rate, count, dtype):
-        """alpha = lr * sqrt(1 - beta_2^count) / (1 - beta_1^count), as
-        `keras.optimizers.Adam` computes it."""
+        """Keras Adam's alpha = lr sqrt(1 - beta_2^count) / (1 - beta_1^count)."""
         return equations.adam_alpha(learning_rate, count, self.beta_1, self.beta_2, dtype)
 
     def _decay_of(self, variable, learning_rate):
-        """(weight_decay, lr) in the dtype of `variable`'s step (its own, or
-        float32 for a bfloat16 one) where the update decays it
-        (`equations.decayed`: theta - theta weight_decay lr, Keras's form),
-        else None."""
+        """(weight_decay, lr) in the step's dtype where the update decays
+        `variable` (`equations.decayed`), else None."""
         if self.weight_decay is None or not _compat.uses_weight_decay(self, variable):
             return None
         dtype = self._slot_dtype(variable.dtype)  # the step's (float32 state of bfloat16)

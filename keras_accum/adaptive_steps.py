@@ -1,9 +1,6 @@
 """`AdaptiveSteps`: the window size from the smoothed gradient noise scale.
 
-A batch-size schedule (`keras_accum.schedules`) that grows the window with
-a bias-corrected moving average of B_simple estimates, decides only once the
-average has settled, optionally after a fixed warmup, and never shrinks.
-Import it as `keras_accum.AdaptiveSteps` (or from this module).
+A batch-size schedule (`keras_accum.schedules`), also `keras_accum.AdaptiveSteps`.
 """
 
 from __future__ import annotations
@@ -40,44 +37,27 @@ class AdaptiveSteps(StepsSchedule):
     """Window size following the smoothed gradient noise scale, never decreasing.
 
     The critical batch size is about B_simple = ``tr(Sigma) / |G|^2``
-    (McCandlish et al. 2018): below it, a bigger batch saves updates almost
-    for free. One estimate is noisy, and the window never shrinks, so a
-    first estimate that is too high would hold for the rest of the run.
-    `observe(b_simple)` (e.g. with
-    `keras_accum.diagnostics.GradientNoiseScale(...).b_simple`) therefore
-    folds each finite estimate b_n into a bias-corrected exponential moving
-    average (as Adam's moments and AdaptDL do), with s = `smoothing`::
+    (McCandlish et al. 2018). `observe(b_simple)` (e.g. from
+    `keras_accum.diagnostics.GradientNoiseScale`) folds each estimate b_n
+    into a bias-corrected moving average, with s = `smoothing`::
 
         a_n = s * a_{n-1} + (1 - s) * clip(b_n, 0, max_steps * micro_batch_size)
         B_n = a_n / (1 - s ** n)
 
-    nan estimates (none yet) are skipped and not counted; +inf (the signal
-    not resolved above the noise) enters as the largest useful value, which
-    keeps the average finite. Once n >= `min_observations`::
+    (nan is skipped and not counted; +inf enters as the clip's top), and
+    once n >= `min_observations`::
 
         decided = max(decided, clip(ceil(B_n / micro_batch_size),
                                     min_steps, max_steps))
 
-    With a `warmup`, a window starting before the handover micro-step
-    h = `warmup.micro_step_boundaries[-1]` (its last boundary, in micro-steps
-    whatever its `unit`) has the warmup's size, and from h on
-    max(warmup.values[-1], decided). Estimates observed during the warmup
-    feed the average, so that it has settled by h. The optimizer reads the
-    size when a window starts: a window in progress finishes with the size
-    it started with.
-
-    The state is optimizer variables (`adaptive_steps`: the size from the
-    handover on, `adaptive_ema`: a_n, `adaptive_observations`: n), saved and
-    restored with the optimizer; the same estimates give the same decisions.
-    `adaptive_ema` is float64, except under JAX without `jax_enable_x64`
-    (float32 there: JAX has no float64 then). It runs on every backend
-    (`keras.ops`). Call `observe` after the optimizer is built, eagerly or
-    in a `tf.function`; under JAX, outside the jitted step: from a
-    `model.fit` callback, after reading `self.model` (which writes the
-    training state back into the variables, and has the next step read
-    them again). Each eager call appends a `Decision` to `decisions` (this
-    object's calls; not saved) and logs it (Python `logging`, INFO, logger
-    `keras_accum.schedules`).
+    With a `warmup`, windows starting before its last boundary h (in
+    micro-steps) have the warmup's size, and from h on
+    max(warmup.values[-1], decided); estimates observed during the warmup
+    feed the average. The state is optimizer variables, saved with it. Call
+    `observe` after the optimizer is built (under JAX, outside the jitted
+    step: from a `fit` callback, after reading `self.model`). Each eager
+    call appends a `Decision` to `decisions` and logs it. See
+    docs/guides/schedules.md ("Reference").
 
     Example:
         kappa = 1, 2, 4 for 4000 micro-steps, then from the noise scale
@@ -91,25 +71,23 @@ class AdaptiveSteps(StepsSchedule):
     Args:
         min_steps: the lower bound of the decided size and, without a
             warmup, the first window's size (>= 1). The `min_steps`
-            attribute, a bound of every size, is the smaller of this and
-            the warmup's smallest value.
+            attribute is the smaller of this and the warmup's smallest value.
         max_steps: the upper bound (>= min_steps), also of the warmup.
-        micro_batch_size: items per micro-step over all replicas (the
-            per-replica micro-batch size x replicas), the unit of B_simple.
+        micro_batch_size: items per micro-step over all replicas, the unit
+            of B_simple.
         smoothing: s in [0, 1), the weight of the past; 0 keeps only the
             last estimate. Default 0.9: about the last 10 estimates.
         min_observations: finite estimates before the size may change
-            (>= 1). Default 4: at s = 0.9 the average then weighs its
-            estimates 0.29, 0.26, 0.24, 0.21, close to a plain mean of 4,
-            whose spread is half a single estimate's; waiting longer delays
-            every gain, and each estimate costs probe passes.
+            (>= 1). Default 4.
         warmup: None, or a `PiecewiseSteps` with at least one boundary and
-            values <= max_steps: the sizes until its last boundary (in any
-            `unit`; in examples, with this `micro_batch_size`).
+            values <= max_steps (in examples: with this `micro_batch_size`).
         powers_of_two: round each decided size up to a power of two (then
-            min_steps and max_steps must be powers of two): every size
-            divides max_steps, so windows end where any multiple of
-            max_steps micro-steps ends (evaluations, epochs).
+            min_steps and max_steps must be powers of two), so that windows
+            end where any multiple of max_steps micro-steps ends.
+        noise_estimate: the norm `squared_norm` and `noise_tracker` measure
+            in: a `keras_accum.diagnostics` `NOISE_ESTIMATES` name
+            ("b_simple", the default, or "adam_preconditioned") or a factory
+            `fn(optimizer) -> fn(grads)`.
     """
 
     def __init__(
@@ -183,8 +161,7 @@ class AdaptiveSteps(StepsSchedule):
 
         after_warmup = self.warmup.values[-1] if self.warmup else 0
         self._steps = add("adaptive_steps", "int64", max(self._floor, after_warmup))
-        # float64: the same sums as a float64 reference, and no rounding of
-        # large estimates (float32 under JAX without x64, which has none).
+        # float64, no rounding of large estimates (float32 under JAX without x64).
         self._float = _backend.wide_float()
         self._ema = add("adaptive_ema", self._float, 0.0)
         self._count = add("adaptive_observations", "int64", 0)
@@ -330,8 +307,7 @@ class AdaptiveSteps(StepsSchedule):
     def from_config(cls, config: dict) -> AdaptiveSteps:
         config = dict(config)
         if "smoothing" not in config and "min_observations" not in config:
-            # Saved by keras_accum 0.2.0, whose rule took each estimate as
-            # it came: load that rule, not today's defaults, and say so.
+            # Saved by keras_accum 0.2.0: load the rule it ran, and say so.
             config.update(OLD_RULE)
             warnings.warn(
                 "AdaptiveSteps saved by keras_accum 0.2.0 (no `smoothing`, no "
@@ -363,8 +339,7 @@ NEW_DEFAULTS = {"smoothing": 0.9, "min_observations": 4}
 
 
 def _number(value):
-    """A concrete scalar (Python number, tensor or variable) as a Python
-    number; a Python or numpy number as it is (no rounding to float32)."""
+    """A concrete scalar as a Python number (a numpy one not rounded to float32)."""
     if isinstance(value, (int, float, np.number, np.ndarray)):
         return np.asarray(value).item()
     return np.asarray(ops.convert_to_numpy(value)).item()

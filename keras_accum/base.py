@@ -1,29 +1,11 @@
-"""The base class of the keras_accum optimizers: one micro-batch per
-`apply`, one update per window.
+"""`AccumulationOptimizer`: one micro-batch per `apply`, one update per
+window of `steps` calls (kappa = steps x replicas micro-batches).
 
-Every keras_accum optimizer sees one *micro-batch* gradient per `apply` call
-and changes the model's variables once per *window* of `steps` calls. Under a
-`tf.distribute` strategy each call carries one micro-batch per replica, so a
-window holds `kappa = steps * num_replicas_in_sync` micro-batches.
-
-`apply` checks its arguments, builds, and hands the micro-batch to the
-backend's driver (`keras_accum.drivers`, a base class chosen once at
-import): the driver decides where a window starts and ends, screens
-non-finite gradients (`keras_accum.nonfinite`), counts, and at a window's
-end runs the optimizer's update, then the EMA of the weights and the
-constraints. What an optimizer computes is its rule, the hooks below, in
-`keras.ops`; TensorFlow runs each rule in its own form
-(`keras_accum.drivers.tensorflow`).
-
-Incoming gradients follow the Keras convention: each replica's gradient is
-its share of the global mean, i.e. the gradient of the replica's summed loss
-divided by the *global* number of items (what `model.fit` produces); summed
-over replicas it is the gradient of the global micro-batch mean.
-
-State, in creation order (the checkpoint format): `iterations` (updates
-applied), the window's bookkeeping (`WindowState`, below:
-micro-step, skip counters, bad micro-batches, a schedule's window), a
-schedule's own state, then each subclass's slots.
+`apply` checks and builds, then hands the micro-batch to the backend's
+driver (`keras_accum.drivers`), which bounds windows, screens, counts and
+writes; a subclass's rule fills in the hooks below. State, in creation
+order (the checkpoint format): `iterations`, `WindowState`, a schedule's
+state, the subclass's slots. See docs/ARCHITECTURE.md.
 """
 
 import inspect
@@ -44,13 +26,10 @@ NONFINITE_POLICIES = tuple(nonfinite.POLICIES)
 
 
 def bounds(step, end, size, steps):
-    """Where micro-step `step` (0-based, the calls so far) stands: (start,
-    size, end), whether a window starts there, and the size and end
-    micro-step of the window it is in, given those of the window before
-    (`end`, `size`). `steps` (an int or a schedule) is read where a window
-    starts (`step >= end`), and its value holds until the window ends.
-    Without a window's state (`end` None, an int `steps`) size and end come
-    back None. Values in, values out: the caller writes them."""
+    """(start, size, end) of the window that 0-based micro-step `step` is
+    in, given the previous window's `end` and `size`. `steps` (int or
+    schedule) is read where a window starts. With `end` None (an int
+    `steps`) size and end are None. Values in, values out."""
     if end is None:
         return step % steps == 0, None, None
     start = step >= end
@@ -60,22 +39,11 @@ def bounds(step, end, size, steps):
 
 
 class WindowState:
-    """One optimizer's window bookkeeping, each field an optimizer variable
-    (created in this order, which is the saved format, after
-    `iterations`):
-
-    * `micro_step`: `apply` calls so far (micro-batches per replica);
-    * `skipped_micro_batches`: micro-batches left out for a non-finite
-      gradient (replica-local, summed on read);
-    * `skipped_updates`: windows whose update was dropped;
-    * `bad`: non-finite micro-batches in the current window (`window_bad`,
-      replica-local; for `"skip_window"`);
-    * `size`, `end`: under a schedule, the current window's size and end
-      micro-step (`window_steps`, `window_end`), fixed where it starts, so
-      a checkpoint may fall inside a window; None for an int `steps`.
-
-    The rules read it; the drivers alone write it (`tests/test_structure.py`
-    checks the source).
+    """An optimizer's window bookkeeping, optimizer variables in this
+    (saved) order: `micro_step`; `skipped_micro_batches` (replica-local);
+    `skipped_updates`; `bad` (this window's non-finite micro-batches,
+    replica-local); under a schedule `size`, `end` (fixed where the window
+    starts), else None. Only the drivers write it (tests/test_structure.py).
     """
 
     __slots__ = ("micro_step", "skipped_micro_batches", "skipped_updates", "bad", "size", "end")
@@ -94,8 +62,7 @@ class WindowState:
             self.end = optimizer.add_variable((), name="window_end", **counter)
 
     def bounds(self, steps):
-        """`bounds` at the current micro-step (values; the driver writes
-        `size` and `end`)."""
+        """`bounds` at the current micro-step (values)."""
         read = ops.convert_to_tensor
         if self.size is None:
             return bounds(read(self.micro_step), None, None, steps)
@@ -109,16 +76,15 @@ class WindowState:
 
 
 class WindowMixin:
-    """An optimizer's window: its size (`window_steps`), whether it ends at
-    a micro-step, and who follows the windows (`on_window_end`)."""
+    """An optimizer's window: its size, its end, and `on_window_end`."""
 
     _window = None  # the `WindowState`, from `build`
     _window_bounds = staticmethod(bounds)  # for a layer that counts its own windows
 
     @property
     def window_steps(self):
-        """Micro-batches per replica of the current window (`steps`, or with
-        a schedule the value it gave when the window started, a variable)."""
+        """Micro-batches per replica of the current window (`steps`, or the
+        schedule's value where the window started, a variable)."""
         if isinstance(self.steps, StepsSchedule):
             return self._window.size
         return self.steps
@@ -128,19 +94,14 @@ class WindowMixin:
         return self._window.done(micro_step, self.steps)
 
     def on_window_end(self, callback):
-        """Runs `callback(keep)` in every `apply` call that ends a window,
-        after the update, in cross-replica context (a cross-replica
-        reduction there is the window's one communication), so traced into
-        the training step that calls `apply`: register before `apply` is
-        traced (e.g. in the forward pass of the same step).
+        """Runs `callback(keep)` after the update of every `apply` that ends
+        a window, in cross-replica context; register before `apply` is traced.
 
-        `keep` is None when the callback runs only at a window's end (a
-        `tf.cond` branch, or every micro-batch ends a window); under XLA on
-        one replica the callback runs on every micro-step and `keep` is a
-        boolean tensor: its writes must hold only where `keep` does (a
-        select). A bound method is held weakly (it goes with its object);
-        registering the same callback again does nothing. Callbacks run in
-        the order they were registered.
+        Args:
+            callback: called with `keep`: None at a window's end, or under
+                XLA on one replica a boolean tensor on every micro-step (write
+                only where it holds). Bound methods are held weakly; a repeat
+                registration does nothing; callbacks run in registration order.
         """
         if getattr(self, "_followers", None) is None:
             self._followers = _Followers()
@@ -160,9 +121,7 @@ class WindowMixin:
 
 
 class _Followers:
-    """The callbacks of one optimizer's `on_window_end`, in the order they
-    were registered, each held weakly (a plain holder: nothing Keras or
-    TensorFlow tracks or saves)."""
+    """`on_window_end`'s weak callbacks (a plain holder nobody tracks)."""
 
     def __init__(self):
         self.refs = []
@@ -173,21 +132,14 @@ class AccumulationOptimizer(
 ):
     """Base class: one micro-batch per `apply`, one update per window."""
 
-    # True when a NaN or an Inf of any micro-batch propagates into the
-    # window's sums (`_window_sums`), so that "skip_window" may check them
-    # once, at the window's end, instead of every micro-batch.
+    # A NaN propagates into `_window_sums`: "skip_window" checks them once.
     _checks_window_sums = False
-    # True when the update is another optimizer's step (it counts updates,
-    # and applies its EMA and constraints, itself).
+    # The update is another optimizer's step (it counts, EMA, constraints).
     _steps_inner = False
-    # True when `apply(weight=...)` weighs the micro-batch (a weighted
-    # window mean); the others refuse a weight rather than ignore it.
+    # `apply(weight=...)` weighs the micro-batch; the others refuse a weight.
     takes_weights = False
-    # Under several PyTorch processes (`drivers.torch_processes`): "sums"
-    # (each process's window sums, all-reduced at the window's end),
-    # "parts" (each process's gradient a micro-batch, its part of the state
-    # all-reduced there), "gradients" (the mean gradient every micro-batch);
-    # None: refused.
+    # Under PyTorch processes: "sums", "parts" or "gradients"
+    # (`drivers.portable.across_processes`); None: refused.
     _across_processes = None
 
     def __init__(
@@ -205,18 +157,15 @@ class AccumulationOptimizer(
         self.flush_last_window = check_flush(self, flush_last_window)
 
     def build(self, var_list):
-        # `model.fit` builds the optimizer before its first `apply`: a
-        # strategy mix-up must be named here, before TensorFlow fails on it.
+        # `fit` builds before `apply`: name a strategy mix-up here.
         self._check_strategy()
-        self._processes()  # PyTorch processes: asked once, here, off the step
-        # And a schedule's micro-batch, before anything is created (under
-        # JAX also before `fit` moves the variables into its state).
+        self._processes()  # PyTorch processes: asked once, off the step
+        # Before anything is created (and before JAX's `fit` takes the state).
         if isinstance(self.steps, StepsSchedule):
             schedules.check_trained_size(self.steps)
         # What a saved, never-built instance holds (see `load_own_variables`).
         self._unbuilt_count = len(self.variables)
         super().build(var_list)
-        # The window's bookkeeping: written by the driver alone.
         self._window = WindowState(self)
         if isinstance(self.steps, StepsSchedule):
             self.steps.build(self)
@@ -230,10 +179,7 @@ class AccumulationOptimizer(
         """A replica-local variable (see `_replicas.add_local_variable`)."""
         return _replicas.add_local_variable(self, shape, dtype, name, reference)
 
-    # -- counters -----------------------------------------------------------
-
-    # Before the optimizer is built (its first `apply`, or `build`) the
-    # counters read 0, as Keras's `iterations` does.
+    # -- counters (0 before `build`, as Keras's `iterations`) -----------------
 
     @property
     def micro_step(self):
@@ -242,14 +188,12 @@ class AccumulationOptimizer(
 
     @property
     def skipped_micro_batches(self):
-        """Micro-batches left out for a non-finite gradient under
-        `nonfinite="skip_micro_batch"` (summed over replicas on read)."""
+        """Micro-batches skipped for a non-finite gradient (all replicas)."""
         return self._counter("skipped_micro_batches")
 
     @property
     def skipped_updates(self):
-        """Windows whose update was dropped for a non-finite gradient under
-        `nonfinite="skip_window"`."""
+        """Windows dropped for a non-finite gradient (`"skip_window"`)."""
         return self._counter("skipped_updates")
 
     def _counter(self, name):
@@ -258,8 +202,7 @@ class AccumulationOptimizer(
         return getattr(self._window, name)
 
     def has_updated(self):
-        """True when the last `apply` call ended a window (an update was
-        applied, or dropped under a `skip_*` policy and counted)."""
+        """True when the last `apply` ended a window (applied or dropped)."""
         if not self.built:
             return ops.convert_to_tensor(False)
         step = ops.convert_to_tensor(self._window.micro_step)
@@ -281,22 +224,18 @@ class AccumulationOptimizer(
         """Folds one micro-batch in; updates the variables at a boundary.
 
         Args:
-            grads: gradients, one per trainable variable (Keras convention
-                under a strategy, see the module docstring).
+            grads: one gradient per variable; under a strategy each
+                replica's share of the global mean (the Keras convention).
             trainable_variables: the variables; required on the first call.
-            weight: optional number of items (or tokens) in the global
-                micro-batch these gradients average over, a number >= 0 or a
-                scalar tensor (0: a micro-batch that adds nothing to the
-                window's mean, still counted as a micro-step). Only
-                `GradientAccumulation` uses it (the window mean is then
-                weighted by item counts, exact for unequal micro-batches);
-                the Adam variants refuse it.
+            weight: optional items (or tokens) in the global micro-batch, a
+                number >= 0 or a scalar tensor (0: counted, adds nothing).
+                `GradientAccumulation` weighs its window mean by it; the Adam
+                variants refuse it.
         """
         self._drive(*self._checked_pairs(grads, trainable_variables, weight))
 
     def _checked_pairs(self, grads, trainable_variables, weight):
-        """`apply`'s checks and build: the (gradient, variable) pairs of the
-        window, those Keras overwrites with their gradient, and the weight."""
+        """`apply`'s checks and build: (pairs, overwrite pairs, weight)."""
         if trainable_variables is None:
             if not self.built:
                 raise ValueError(
@@ -327,8 +266,7 @@ class AccumulationOptimizer(
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
-        # Variables Keras overwrites with their gradient (float8 scales) take
-        # no part in the window, as in `keras.optimizers.Optimizer.apply`.
+        # float8 scales (`overwrite_with_gradient`) stay out of the window.
         overwrite = [p for p in pairs if getattr(p[1], "overwrite_with_gradient", False)]
         pairs = [p for p in pairs if not getattr(p[1], "overwrite_with_gradient", False)]
         return pairs, overwrite, weight
@@ -349,12 +287,11 @@ class AccumulationOptimizer(
         """The weight of an `apply` given none (None: one)."""
         return None
 
-    # -- the rule: what each optimizer fills in (`keras.ops`, any backend) ----
+    # -- the rule's hooks (`keras.ops`, any backend) ---------------------------
 
     def _fold(self, grads, variables, weight, start, ok):
-        """Folds one micro-batch in. `start`: the window's first micro-batch;
-        `ok`: False for a skipped one (True, a Python bool, when nothing is
-        screened). Each is a boolean tensor (JAX) or a Python bool."""
+        """Folds one micro-batch in. `start`: first of its window; `ok`:
+        False for a skipped one. Each a Python bool or a boolean tensor."""
         raise NotImplementedError
 
     def _window_ok(self, boundary):
@@ -368,13 +305,11 @@ class AccumulationOptimizer(
         return []
 
     def _process_sums(self):
-        """The variables all-reduced over PyTorch processes at a window's
-        end (`_across_processes`)."""
+        """Variables all-reduced over PyTorch processes at a window's end."""
         return []
 
     def _window_state(self):
-        """The variables that hold the window's micro-batches until its end
-        (cleared after a `flush`)."""
+        """Variables holding the open window (cleared after a `flush`)."""
         return []
 
     def _update(self, variables, keep):
@@ -386,8 +321,7 @@ class AccumulationOptimizer(
         return None
 
     def _wrapped_optimizers(self):
-        """Keras optimizers this one steps in its update (they write with
-        their own `assign*`)."""
+        """Keras optimizers this one steps in its update."""
         return []
 
     def get_config(self):

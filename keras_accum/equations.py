@@ -1,15 +1,7 @@
-"""The equations the rules share, in `keras.ops`.
+"""The equations the optimizers' rules share, as pure `keras.ops` functions.
 
-Pure functions of tensors and scalars: no variable, no backend. Each
-optimizer's own module says which it uses and how (its rule's pure
-functions: `InvariantAdam.fold`, `UpdateAccumulationAdam.changes`,
-`GradientAccumulation.means`, ...); the drivers run those
-(`keras_accum.drivers`). ALGORITHMS.md has the maths.
-
-`adam_alpha` is `keras.optimizers.Adam`'s bias-corrected rate, in its own
-form, and `adam_moment_changes` its moments' form, so that `steps=1`
-equals Keras's Adam bit for bit on every backend. `one_minus_beta` is
-InvariantAdam's 1 - beta_k of one window.
+The Adam ones follow `keras.optimizers.Adam`'s form, so that `steps=1`
+equals Keras's Adam bit for bit. See docs/ALGORITHMS.md.
 """
 
 import math
@@ -18,10 +10,8 @@ from keras import ops
 
 
 def adam_moment_changes(m, v, g, rate_1, rate_2, square=None):
-    """What one gradient adds to Adam's moments, in Keras's form:
-    (g - m)(1 - beta_1) and (g**2 - v)(1 - beta_2); `rate_i` = 1 - beta_i.
-    `square` replaces g**2 (under `tf.distribute`, the square of a
-    replica's micro-batch rebuilt from its share of the mean)."""
+    """((g - m)(1 - beta_1), (g**2 - v)(1 - beta_2)), Keras's form;
+    `rate_i` = 1 - beta_i, `square` replaces g**2 when given."""
     square = ops.square(g) if square is None else square
     return (g - m) * rate_1, (square - v) * rate_2
 
@@ -32,8 +22,7 @@ def adam_step(m, v, alpha, epsilon):
 
 
 def adam_alpha(learning_rate, count, beta_1, beta_2, dtype):
-    """alpha = lr sqrt(1 - beta_2**count) / (1 - beta_1**count) in `dtype`,
-    as `keras.optimizers.Adam` computes it."""
+    """alpha = lr sqrt(1 - beta_2**count) / (1 - beta_1**count) in `dtype`."""
     lr = ops.cast(learning_rate, dtype)
     count = ops.cast(count, dtype)
     beta_1_power = ops.power(ops.cast(beta_1, dtype), count)
@@ -47,10 +36,8 @@ def decayed(theta, weight_decay, learning_rate):
 
 
 def one_minus_beta(beta, kappa, form):
-    """1 - beta_k for a window of `kappa` micro-batches, `form` one of
-    `keras_accum.scaling.BETA_FORMS`'s: kappa (1 - beta) ("linear"),
-    1 - beta ** kappa ("power") or 1 - beta ("fixed"). Python numbers in, a
-    Python number out; else a float32 tensor."""
+    """1 - beta_k for `kappa` micro-batches: kappa (1 - beta) ("linear"),
+    1 - beta ** kappa ("power") or 1 - beta ("fixed"); float32 for tensors."""
     if form == "fixed":
         return 1 - beta
     if isinstance(kappa, (int, float)):

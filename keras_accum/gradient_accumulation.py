@@ -22,30 +22,10 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         S = \sum_j w_j g_j, \qquad W = \sum_j w_j, \qquad
         \texttt{optimizer.apply}(S / W)
 
-    With w_j the number of items, this is exactly one step of `optimizer` on
-    the concatenated batch, also when the last micro-batch is short or the
-    loss is masked (the mean of means would be wrong there).
-
-    * The inner optimizer only runs at window ends, so its state, its
-      `iterations`, weight decay, gradient clipping (`clipnorm`,
-      `global_clipnorm`, `clipvalue`, applied to the window mean across all
-      replicas), EMA and learning-rate schedules advance once per update.
-    * Accumulators are float32 whatever the variables' dtype.
-    * Under a `tf.distribute` strategy, the sums stay on each replica until
-      the window ends; the inner optimizer's own all-reduce of `S_r / W` is
-      then the only gradient communication of the window. With clipping
-      configured, the window sum is reduced first so that the clip sees the
-      global mean (one more reduction, still once per window).
-    * Under JAX's `keras.distribution.DataParallel`, Keras's `train_step`
-      all-reduces every gradient on every micro-batch; with the model
-      mixin `keras_accum.PerDeviceGradients` each device keeps its own
-      sums (`[devices, *shape]`, sharded over the batch axis) and the
-      window's end reduces them once, inside its `lax.cond`.
-    * Sparse gradients (`tf.IndexedSlices`, from `Embedding`) of a
-      variable with 65,536 elements or more (`SPARSE_MIN_ELEMENTS` of the TensorFlow driver)
-      stay sparse: each micro-batch's rows are added to S where they fall
-      (the sum is dense; the window's mean handed to `optimizer` is dense).
-      Smaller ones are made dense first.
+    With w_j the item count this is one step of `optimizer` on the
+    concatenated batch, even with a short or masked micro-batch. `optimizer`
+    (its state, clipping, EMA, schedule) runs once per window; the float32
+    sums stay on each replica until then. See docs/ALGORITHMS.md.
 
     Example:
         One update of the inner optimizer per 4 micro-batches of 4:
@@ -63,16 +43,12 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         steps: micro-batches per window on each replica: an integer >= 1
             or a schedule (`keras_accum.PiecewiseSteps`, `AdaptiveSteps`).
         nonfinite: `"skip_window"` (default: a window whose sums hold a NaN
-            or an Inf is dropped, as the big batch would be; checked once
-            per window), `"skip_micro_batch"` (leaves the bad micro-batch
-            out and averages the rest; one more read of every gradient per
-            micro-batch), `"raise"` or None; see `keras_accum.nonfinite`.
+            or an Inf is dropped), `"skip_micro_batch"` (the bad micro-batch
+            is left out), `"raise"` or None; see `keras_accum.nonfinite`.
         name: optimizer name.
         flush_last_window: True: where `fit` ends inside a window, its
-            micro-batches are applied as a window of their own (their
-            weighted mean: the big batch of those micro-batches); False
-            (default): they wait for training to go on, with a warning.
-            `flush()` does it in a loop of one's own.
+            micro-batches are applied as a window of their own (`flush()`);
+            False (default): they wait, with a warning.
     """
 
     _checks_window_sums = True  # "skip_window": the window's sums may be checked at its end
@@ -122,14 +98,12 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         )
         self.inner_optimizer = optimizer
         self._fit_items = None  # `weigh_micro_batches`: see `fit_items`
-        # Set by a `PerDeviceGradients` model's compile (JAX): the window's
-        # sums then hold one row per device, reduced at the window's end.
+        # Set by a `PerDeviceGradients` compile (JAX): the sums hold a row per device.
         self._device_route = None
 
     def fit_items(self) -> weighing.FitItems:
-        """The replica-local item count `weigh_micro_batches` writes under
-        `model.fit` and `apply` reads when it is given no `weight` (created
-        on first call, under this optimizer's strategy)."""
+        """The replica-local item count `weigh_micro_batches` writes and
+        `apply` reads when given no `weight` (created on first call)."""
         if self._fit_items is None:
             with self._creation_scope():  # the strategy's, under TensorFlow
                 self._fit_items = weighing.FitItems()
@@ -156,9 +130,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         self._restore_deferred_state()
 
     def _warn_low_precision_slots(self):
-        """Says so in one line when the inner optimizer keeps slots in
-        bfloat16 or float16 (a Keras optimizer's follow the variables'
-        dtype): there beta_2 = 0.999 rounds to 1 and Adam's step to 0."""
+        """Warns when the inner optimizer keeps slots in bfloat16 or float16."""
         low = {str(v.dtype) for v in self.inner_optimizer.variables} & {"bfloat16", "float16"}
         if low:
             warnings.warn(
@@ -171,11 +143,8 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
                 stacklevel=2,
             )
 
-    # EMA of the weights is the inner optimizer's (it runs at the inner
-    # step, once per window). The wrapper shows it as its own once built, so
-    # that code that looks for it on the compiled optimizer, or one level
-    # below a `LossScaleOptimizer` (Keras's `SwapEMAWeights`), finds it; not
-    # while Keras's `build` runs, which would make averages of its own.
+    # The EMA is the inner optimizer's; shown as the wrapper's once built (for
+    # Keras's `SwapEMAWeights`), not during `build`, which would make its own.
 
     @property
     def use_ema(self):
@@ -195,11 +164,8 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         return _compat.ema_averages(self.inner_optimizer)
 
     def __dir__(self):
-        # The inner optimizer's state is part of this one's (`variables`):
-        # Keras's saving, which visits what `dir` lists, must not save and
-        # load it a second time on its own (it would warn that it skips the
-        # variables of the inner optimizer, unbuilt before the first step,
-        # that this one restores when built).
+        # The inner optimizer's state is in `variables`: Keras's saving, which
+        # visits what `dir` lists, must not save it a second time.
         return [name for name in super().__dir__() if name != "inner_optimizer"]
 
     @property
@@ -232,16 +198,10 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
 
     @staticmethod
     def weights(weight, replicas=1):
-        """(scale, share) of one micro-batch on one replica: w g, its
-        gradient g times `scale` (None: 1), is the replica's summed-loss
-        gradient, added to S; `share` is added to W, and the replicas'
-        shares add up to the micro-batch's weight. g is the replica's share
-        of the global mean over `weight` items, so scale = weight and
-        share = weight / replicas. Under `weigh_micro_batches` the weight
-        is this replica's own count n (`ReplicaItems`): its g is the mean
-        over n items / replicas, so scale = n replicas and share = n;
-        n = UNSET (no count recorded this step) counts the micro-batch as
-        one, n = 0 (every item weighs zero) adds nothing."""
+        """(scale, share) of one micro-batch on one replica: g scale (None: 1)
+        is added to S, share to W. A weight w gives (w, w / replicas); a
+        `ReplicaItems` count n (g the mean over n items / replicas) gives
+        (n replicas, n), and UNSET (no count recorded) counts as one."""
         if isinstance(weight, weighing.ReplicaItems):
             items = ops.cast(weight.items, "float32")
             recorded = items >= 0.0
@@ -253,18 +213,14 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
 
     @staticmethod
     def means(sums, total_weight):
-        """[S / W]: the window's weighted mean gradients. W = 0 only when
-        every item of the window weighs zero: then S = 0 too, and the big
-        batch's mean gradient is 0 (Keras divides its loss with
-        `divide_no_nan`), not 0 / 0."""
+        """[S / W], with 0 where W = 0 (every item weighed zero; S = 0 too)."""
         total_weight = ops.where(ops.equal(total_weight, 0.0), 1.0, total_weight)
         return [total / total_weight for total in sums]
 
     # -- how JAX and PyTorch write it (`keras_accum.drivers.portable`) ---------
 
     def _fold(self, grads, variables, weight, start, ok):
-        # (A skipped micro-batch comes as zeros; under "skip_window" the
-        # driver may let a NaN through, to check the sums at the window's end.)
+        # (A skipped micro-batch comes as zeros; "skip_window" may let a NaN through.)
         grads = [ops.cast(g, "float32") for g in grads]
         route = self._device_route
         if route is not None and isinstance(weight, weighing.ReplicaItems):
@@ -292,8 +248,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         return self._accumulators + [self._weight]
 
     def _window_sums(self):
-        # A NaN or an Inf of any micro-batch propagates into S: one check of
-        # S per window can replace a check of every micro-batch.
+        # A NaN or an Inf propagates into S: one check per window suffices.
         return self._accumulators
 
     def _update(self, variables, keep):
@@ -301,8 +256,7 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
         weight = ops.convert_to_tensor(self._weight)
         route = self._device_route
         if route is not None:
-            # Each device's sums: reduced over the devices where the inner
-            # optimizer steps (inside JAX's window-end `lax.cond`), once.
+            # The devices' sums, reduced once inside the window-end `lax.cond`.
             return self._step_inner(lambda: self.means(route.total(sums), weight), variables, keep)
         means = self.means(sums, weight)
         # The driver's: a branch, or (traced JAX) the values its `lax.cond` takes.
@@ -323,10 +277,8 @@ class GradientAccumulation(drivers.GradientAccumulationForm, base.AccumulationOp
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        # Keras's optimizer table, not the saved class path: under PyTorch a
-        # `keras.optimizers.Adam` is saved as Keras's PyTorch subclass, which
-        # another backend must load as its own.
-        # (It lowercases the class name in place: a copy keeps `config` as given.)
+        # Keras's optimizer table, not the saved class path (PyTorch saves its own
+        # Adam subclass). A copy: `deserialize` lowercases the class name in place.
         inner = copy.deepcopy(config.pop("optimizer"))
         optimizer = optimizers.deserialize(inner, custom_objects=custom_objects)
         return cls(optimizer, **config)

@@ -1,21 +1,8 @@
-"""The optimizers' writes of one micro-batch, list-wise, and the flags
-that guard them, in the form each backend runs fastest, picked once at
-import: what the rules (each optimizer's `_fold`, `_update`) write with on
-JAX and PyTorch.
+"""The writes and flags the rules use on JAX and PyTorch, list-wise.
 
-Each optimizer's rule says *what* it writes, with the arithmetic of
-`keras_accum.equations`; these functions say *how*:
-
-* `keras.ops`, one variable at a time (JAX traces it into straight-line
-  code, masks included). A flag (`start`, `keep`) may be a boolean tensor.
-* Under PyTorch, which runs each call eagerly, Keras's own in-place
-  `torch._foreach_*` forms (as `keras/src/backend/torch/optimizers/
-  torch_adam.py`): one kernel per term for every variable, no copy. The
-  flags are Python bools there (`decided`), and a skipped micro-batch
-  writes nothing.
-
-None of them asks which backend it is on: `IN_PLACE` (and `EAGER`) is
-decided here, once.
+JAX: `keras.ops` per variable, flags boolean tensors (`where` masks).
+PyTorch: eager, flags Python bools (`decided`), in-place `torch._foreach_*`
+as Keras's `torch_adam.py`. The backend is asked here once (`IN_PLACE`).
 """
 
 import numbers
@@ -26,25 +13,20 @@ from keras_accum import _backend, _compat, equations
 
 IN_PLACE = _backend.BACKEND == "torch"
 
-# PyTorch runs each call eagerly: there a window's start, its end and a
-# micro-batch's screen are read as Python bools, and what a window's end
-# computes runs only at the end (a Python `if`, as Keras's own accumulation
-# does on PyTorch). JAX traces the step: there they stay boolean tensors and
-# every write is `where(keep, new, old)`.
+# PyTorch: flags are Python bools, a window's end a Python `if`. JAX traces:
+# flags stay boolean tensors, every write `where(keep, new, old)`.
 EAGER = IN_PLACE
 
 
 def decided(condition):
-    """`condition` as a Python bool where the step runs eagerly (PyTorch);
-    unchanged (a boolean tensor, or already a bool) under JAX."""
+    """`condition` as a Python bool on PyTorch; unchanged under JAX."""
     if EAGER and not isinstance(condition, bool):
         return bool(condition)
     return condition
 
 
 def masked(keep, new, old):
-    """`new` where `keep` holds, else `old`; `new` (`old`) when `keep` is
-    True (False)."""
+    """`new` where `keep` holds, else `old` (picked now for a bool)."""
     if keep is True:
         return new
     if keep is False:
@@ -71,11 +53,8 @@ def flag(condition, dtype):
 
 
 def finite(grads):
-    """True when no gradient holds a NaN or an Inf (exact).
-
-    Eagerly (PyTorch) a NaN or an Inf propagates into a sum: one reduction
-    per gradient, no boolean tensor; the elementwise test runs only if a
-    float32 sum overflowed (as the TensorFlow driver's `all_finite`)."""
+    """True when no gradient holds a NaN or an Inf (exact). Eagerly, sums
+    first; the elementwise test only if one overflowed (as `all_finite`)."""
     if EAGER:
         sums = ops.stack([ops.sum(ops.cast(g, "float32")) for g in grads])
         if bool(ops.all(ops.isfinite(sums))):
@@ -92,15 +71,13 @@ if IN_PLACE:
 
 
 def compiling():
-    """True while `torch.compile` traces the step (a `model.compile` with
-    `jit_compile=True` under PyTorch): a count read as a number there is
-    symbolic, not a Python int."""
+    """True while `torch.compile` traces (`jit_compile=True`): counts are
+    symbolic there."""
     return IN_PLACE and torch.compiler.is_compiling()
 
 
 def _in_place():
-    """PyTorch, outside a `keras.StatelessScope` (whose writes go to the
-    scope: `stateless_apply` must leave the variables as they are)."""
+    """PyTorch, outside a `keras.StatelessScope` (whose writes go to it)."""
     return IN_PLACE and not _compat.in_stateless_scope()
 
 
@@ -116,12 +93,9 @@ def _values(variables):
 def adam_moments(
     momentums, velocities, grads, rate_1, rate_2, keep=True, changes=equations.adam_moment_changes
 ):
-    """m = m + (g - m)(1 - beta_1), v = v + (g**2 - v)(1 - beta_2) for each
-    variable (`rate_i` = 1 - beta_i; `changes` gives the two terms added),
-    written where `keep` holds.
-
-    In place under PyTorch as Keras's PyTorch Adam writes it: m = m beta_1 +
-    g (1 - beta_1) (equal to rounding)."""
+    """m += (g - m)(1 - beta_1), v += (g**2 - v)(1 - beta_2) where `keep`
+    holds (`rate_i` = 1 - beta_i). PyTorch in place, as Keras's torch Adam:
+    m = m beta_1 + g (1 - beta_1) (equal to rounding)."""
     if _in_place() and keep is True and _is_number(rate_1) and _is_number(rate_2):
         with torch.no_grad():
             m, v = _values(momentums), _values(velocities)
@@ -139,11 +113,8 @@ def adam_moments(
 
 
 def decayed_moments(momentums, velocities, grads, keep, take, fold):
-    """InvariantAdam's fold: (m, v) = fold(m, v, g, keep, take), i.e. m keep_1
-    + g take_1 and v keep_2 + g**2 take_2, for each variable. `keep` and
-    `take` are pairs of scalars; under PyTorch the same sums are written in
-    place (`_foreach`; a keep of exactly 1, inside a window, skips the
-    multiply)."""
+    """InvariantAdam's fold: m = m keep_1 + g take_1, v = v keep_2 + g**2
+    take_2 (scalar pairs); PyTorch in place, a keep of 1 skips the multiply."""
     (keep_1, keep_2), (take_1, take_2) = keep, take
     if _in_place() and all(_is_number(x) for x in (keep_1, keep_2, take_1, take_2)):
         with torch.no_grad():
@@ -163,9 +134,7 @@ def decayed_moments(momentums, velocities, grads, keep, take, fold):
 
 
 def _step_terms(momentums, velocities, alphas, epsilon):
-    """(alpha m, sqrt(v) + epsilon) per variable, as new torch tensors:
-    the numerator and denominator of Adam's step (PyTorch, in place on
-    the temporaries)."""
+    """(alpha m, sqrt(v) + epsilon) per variable, new torch tensors."""
     m, v = _values(momentums), _values(velocities)
     denominators = torch._foreach_sqrt(v)
     torch._foreach_add_(denominators, epsilon)
@@ -175,8 +144,7 @@ def _step_terms(momentums, velocities, alphas, epsilon):
 
 
 def adam_steps(momentums, velocities, alphas, epsilon):
-    """[alpha m / (sqrt(v) + epsilon)] for each variable (`alphas`: one
-    scalar per variable, in its dtype)."""
+    """[alpha m / (sqrt(v) + epsilon)], one alpha per variable."""
     if _in_place():
         with torch.no_grad():
             scaled, denominators = _step_terms(momentums, velocities, alphas, epsilon)
@@ -189,11 +157,8 @@ def adam_steps(momentums, velocities, alphas, epsilon):
 
 
 def add_adam_steps(updates, momentums, velocities, alphas, epsilon, start, keep=True):
-    """A = step at the window's start, else A + step, for each variable:
-    `window_sums` of `adam_steps`, the step 0 where `keep` does not hold.
-    Under PyTorch one fused `torch._foreach_addcdiv_` adds alpha m /
-    (sqrt(v) + epsilon) into A in place, with no temporary for the step
-    itself."""
+    """A = step at the window's start, else A + step (step 0 where `keep`
+    fails); PyTorch: one in-place `_foreach_addcdiv_`."""
     if keep is False:  # eager, a skipped micro-step: A = 0 at the window's start
         window_sums(updates, [ops.zeros_like(ops.convert_to_tensor(a)) for a in updates], start)
         return
@@ -213,16 +178,14 @@ def add_adam_steps(updates, momentums, velocities, alphas, epsilon, start, keep=
 
 
 def window_sum(total, value, start):
-    """S = value at the window's start, else S + value (`start` a boolean
-    scalar, or a Python bool where the step runs eagerly)."""
+    """S = value at the window's start, else S + value."""
     if isinstance(start, bool):
         return value if start else total + value
     return ops.where(start, value, total + value)
 
 
 def window_sums(totals, values, start):
-    """S = value at the window's start, else S + value, for each pair
-    (`window_sum`)."""
+    """`window_sum` for each pair, written."""
     if _in_place() and isinstance(start, bool):
         with torch.no_grad():
             targets = _values(totals)
@@ -236,9 +199,8 @@ def window_sums(totals, values, start):
 
 
 def subtract(variables, deltas, keep=True, decays=None):
-    """theta = theta - delta for each variable, where `keep` holds. With
-    `decays` (per variable None, or the (weight_decay, lr) of
-    `equations.decayed`) theta is decayed first: decayed(theta) - delta."""
+    """theta = decayed(theta) - delta where `keep` holds (`decays`: per
+    variable None or `equations.decayed`'s (weight_decay, lr))."""
     decays = decays or [None] * len(variables)
     if _in_place() and keep is True:
         values = _values(variables)
@@ -260,10 +222,8 @@ def subtract(variables, deltas, keep=True, decays=None):
 
 
 def minus(theta, delta, decay=None):
-    """decayed(theta) - delta (`decay`: None, or the (weight_decay, lr) of
-    `equations.decayed`, in delta's dtype) in theta's dtype. A float32
-    delta of a bfloat16 or float16 theta (float32 state) is applied in
-    float32 and rounded once, at the write."""
+    """decayed(theta) - delta in theta's dtype; a wider delta is applied in
+    its dtype and rounded once."""
     if delta.dtype == theta.dtype:
         return (theta if decay is None else equations.decayed(theta, *decay)) - delta
     wide = ops.cast(theta, delta.dtype)
@@ -272,12 +232,10 @@ def minus(theta, delta, decay=None):
 
 
 def update_ema(optimizer, keep=True, replicas=1):
-    """After an update (where `keep` holds), Keras's EMA step of the
-    weights: average = rho average + (1 - rho) theta (the first update
-    copies theta), rho the rule's momentum of one window
-    (`_ema_momentum_of_window(replicas)`) or Keras's `ema_momentum`; then,
-    every `ema_overwrite_frequency` updates, theta = average. Every driver
-    writes the EMA with this (TensorFlow in cross-replica context)."""
+    """Keras's EMA step after an update, where `keep` holds (every driver):
+    average = rho average + (1 - rho) theta (the first copies theta), rho
+    `_ema_momentum_of_window` or `ema_momentum`; theta = average every
+    `ema_overwrite_frequency` updates."""
     trained = _compat.trainable_variables(optimizer)
     averages = _compat.ema_averages(optimizer)
     rho = optimizer._ema_momentum_of_window(replicas)

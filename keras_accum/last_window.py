@@ -1,17 +1,6 @@
-"""Where training ends inside a window: the micro-batches folded in and not
-applied yet (`pending_micro_batches`), the warning that says so when `fit`
-ends there, and the opt-in flush that applies them (`flush_last_window`,
-`flush()`), as a window of its own.
-
-`fit` calls `finalize_variable_values` once, when training ends (under
-JAX also when it ends in an error: then nothing is flushed, and the
-user's error is never replaced). A flush applies what the window holds
-now, as its end would (the mean of its micro-batches, weights and item
-counts respected, for `GradientAccumulation`; the summed steps of
-`UpdateAccumulationAdam`), counts an update, and clears the window's sums:
-micro-batches that follow finish the same window by count and are applied
-at its end alone. `InvariantAdam` folds each micro-batch with its window's
-size and cannot apply part of a window as a window of its own: it refuses.
+"""Training that ends inside a window: `pending_micro_batches`, the warning
+`fit` gives there, and the opt-in flush (`flush_last_window`, `flush()`).
+Mixed into `base.AccumulationOptimizer`; see docs/guides/reliability.md.
 """
 
 import os
@@ -49,9 +38,12 @@ class LastWindowMixin:
     _refuses_flush = None
 
     def pending_micro_batches(self) -> int:
-        """Micro-batches (per replica) folded into the current window and
-        not applied yet: 0 at a window's boundary, and right after a
-        `flush`. Eager only."""
+        """Micro-batches (per replica) of the current window not applied yet
+        (0 at a boundary and right after a `flush`). Eager only.
+
+        Returns:
+            int, the count.
+        """
         if not self.built:
             return 0
         step = _int(self._window.micro_step)
@@ -62,29 +54,30 @@ class LastWindowMixin:
             if step >= end:
                 return 0
             start = end - size
-        # A flush inside this window (this process's record of it; one
-        # from before a restore to an earlier micro-step does not count).
+        # A flush in this window (this process's record, ignored after a restore to before it).
         flushed = self.__dict__.get("_flushed_at")
         if flushed is not None and start <= flushed <= step:
             start = flushed
         return step - start
 
     def flush(self) -> bool:
-        """Applies the current window now, with what it holds, as its end
-        would (see the module docstring); returns whether there was
-        anything to apply (False at a window's boundary). Eager only: call
-        it between training steps, e.g. when a loop of your own ends.
-        Counts one update (`iterations`); a window the non-finite policy
-        drops is dropped and counted as at its end."""
+        """Applies the current window now, as its end would, and counts one
+        update. Eager only: call it between steps, e.g. when your loop ends.
+
+        Returns:
+            bool, whether there was anything to apply.
+
+        Raises:
+            ValueError: the optimizer cannot apply a partial window.
+            RuntimeError: called inside a traced step.
+        """
         if self._refuses_flush:
             raise ValueError(f"{self._refuses_flush} Received: a call of flush()")
         if not _backend.executing_eagerly():
             raise RuntimeError(f"{type(self).__name__}.flush() runs eagerly, between steps.")
         if not self.pending_micro_batches():
             return False
-        # The driver's: the window's end, as `apply` ends one, then the
-        # window's sums cleared: the micro-batches that follow finish the
-        # window (by count) as one of their own.
+        # The window's end, then its sums cleared: what follows finishes it by count.
         self._flush_window()
         self.__dict__["_flushed_at"] = _int(self._window.micro_step)
         return True
@@ -95,28 +88,23 @@ class LastWindowMixin:
         super().finalize_variable_values(var_list)
 
     def _end_of_training(self):
-        """With `flush_last_window`, a flush (not when `fit` ends in an
-        error, which JAX finalizes in a `finally`); else the warning."""
+        """A flush with `flush_last_window` (not after an error), else the warning."""
         if self.flush_last_window and sys.exc_info()[0] is None:
             self.flush()
             return
         self._warn_pending_window()
 
     def _warn_pending_window(self):
-        """Says so when training ends inside a window, whose micro-batches
-        are accumulated but not applied."""
+        """Warns, once, when training ends inside a window."""
         if not _backend.executing_eagerly() or getattr(self, "_warned_pending", False):
             return
         try:
             pending = self.pending_micro_batches()
         except Exception:
-            # Keras calls this in a `finally` also when a step failed (under
-            # JAX the state may then be unreadable): a warning must never
-            # replace the user's own error.
+            # Called in a `finally` after a failed step too: never replace the user's error.
             return
         if pending:
-            # Once per optimizer: `fit(epochs=1)` in a loop is a pattern the
-            # README shows, and a partial window carries over to the next.
+            # Once per optimizer: `fit(epochs=1)` in a loop carries the window over.
             self._warned_pending = True
             size = self.steps if isinstance(self.steps, int) else _int(self._window.size)
             warnings.warn(
@@ -131,8 +119,7 @@ class LastWindowMixin:
 
 
 def check_flush(optimizer, flush_last_window):
-    """`flush_last_window` checked: a bool, and refused by an optimizer that
-    cannot apply part of a window."""
+    """Checks `flush_last_window`: a bool, refused where a flush is."""
     if not isinstance(flush_last_window, bool):
         raise ValueError(
             f"`flush_last_window` must be True or False. "

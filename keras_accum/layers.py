@@ -1,12 +1,8 @@
 """Layers that follow the optimizer's windows: `BatchNormalization`.
 
-Under accumulation Keras's `BatchNormalization` moves its moving statistics
-on every micro-batch: kappa times per update, towards micro-batch means and
-variances (docs/ALGORITHMS.md, section 9). `BatchNormalization` here moves
-them once per window, towards the statistics of the window's items taken
-together, as one big batch would. `attach` links its layers to an optimizer
-in a loop of your own; `convert_batch_normalization` swaps Keras's layers
-for it in a built model.
+`attach` links its layers to an optimizer in a loop of your own;
+`convert_batch_normalization` swaps Keras's layers for it in a built model.
+See docs/BATCH_NORM.md.
 """
 
 from __future__ import annotations
@@ -20,9 +16,7 @@ from keras import ops
 from keras_accum import _backend, _compat, base, drivers
 from keras_accum.validation import check_choice
 
-# What `momentum` is per: a micro-step (Keras's layer under accumulation
-# moves once per micro-step; an update moves with momentum ** steps), or an
-# update (the big batch's layer).
+# What `momentum` is per: a micro-step (Keras's layer under accumulation) or an update.
 MOMENTUM_UNITS = ("micro_step", "update")
 
 
@@ -30,99 +24,35 @@ MOMENTUM_UNITS = ("micro_step", "update")
 class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNormalization):
     """Batch normalization whose moving statistics are the window's.
 
-    A drop-in `keras.layers.BatchNormalization` (same arguments, same
-    inference, same training-time normalization) for a model trained with a
-    keras_accum optimizer, on TensorFlow, JAX and PyTorch. Micro-batch i of
-    a window, with n_i items, mean mu_i and biased variance s_i^2 per
-    channel (over every axis but `axis`, masked items left out), is folded
-    into three sums around the shift c = `moving_mean` (which holds still
-    during a window):
+    A drop-in `keras.layers.BatchNormalization` (same arguments, inference
+    and training-time normalization; TensorFlow, JAX and PyTorch) whose
+    moving statistics move once per window, as Keras's layer would at a
+    batch of the whole window (to float32 rounding). Micro-batch i, with
+    n_i items, mean mu_i and biased variance s_i^2 per channel (masked
+    items left out), is folded around c = `moving_mean` (still during a
+    window):
 
         S1 += n_i (mu_i - c),  S2 += n_i (s_i^2 + (mu_i - c)^2),  N += n_i
 
-    and at the window's end, with mu = c + S1 / N and s^2 = S2 / N - (S1 / N)^2
-    (the biased variance of the window's N items, as Keras's layer uses)
-    and m the momentum of one update (below):
+    and at the window's end, with mu = c + S1 / N, s^2 = S2 / N - (S1 / N)^2:
 
         moving_mean     = m * moving_mean     + (1 - m) * mu
         moving_variance = m * moving_variance + (1 - m) * s^2
 
-    then the sums restart. These are the statistics Keras's layer would
-    reach at a batch of the whole window with momentum m (to float32
-    rounding). With `renorm=True` the moving and renorm statistics move
-    once per window too, as Keras moves them for a batch of mean mu and
-    variance s^2 (`renorm_momentum` takes the same unit).
+    then the sums restart. m = momentum ** k with `momentum_unit="micro_step"`
+    (k the optimizer's `window_steps` for that window: micro-steps per
+    replica), m = momentum with "update". With `renorm=True` the renorm
+    statistics move once per window too (`renorm_momentum` in the same
+    unit). Training still normalizes each micro-batch by its own moments.
 
-    The momentum's unit (`momentum_unit`):
-
-    * "micro_step" (the default): `momentum` is per micro-step, as Keras's
-      layer under accumulation moves; one update that ends a window of k
-      micro-steps moves with m = momentum ** k (k the optimizer's
-      `window_steps`: `steps`, or a schedule's value for that window; k =
-      kappa on one device). The statistics forget over about
-      1 / (1 - momentum) micro-steps, the same horizon in examples as
-      Keras's layer under the same accumulation (docs/BATCH_NORM.md:
-      0.862 test accuracy, as Keras's layer, where "update" gave 0.586).
-    * "update": `momentum` is per update, m = momentum, as Keras's layer at
-      the big batch: the statistics forget over about 1 / (1 - momentum)
-      updates, kappa times more examples (keras_accum 0.3.0's behaviour).
-
-    What stays per micro-batch: the normalization in training uses the
-    micro-batch's own mean and variance ("ghost" batch normalization,
-    exactly as Keras's layer computes it). It cannot be the window's without
-    a second pass. `synchronized=True` pools them over the replicas of a
-    micro-step; `renorm=True` corrects them towards the renorm statistics.
-
-    Which optimizer: in `model.fit`, the optimizer the model was compiled
-    with (through a `keras.optimizers.LossScaleOptimizer`); in a loop of
-    your own, the one given to `attach(model, optimizer)`
-    (`keras_accum.training.Trainer` attaches its own). With no optimizer,
-    or one that does not accumulate (e.g. `keras.optimizers.Adam`), or in
-    inference, the layer is `keras.layers.BatchNormalization`, bit for bit.
-
-    Where the window ends: on TensorFlow the moving statistics move in the
-    optimizer's `apply` call that ends a window (the same training step as
-    the update), through `AccumulationOptimizer.on_window_end`. On JAX and
-    PyTorch the optimizer's step cannot write the layer's variables (JAX's
-    `stateless_apply` returns the optimizer's and the trainable ones only),
-    so the layer counts its own training calls (`micro_step`, with the
-    window's `window_steps` and `window_end`, non-trainable variables saved
-    with the model) and bounds its windows as the optimizer does: the call
-    of a window's last micro-batch folds it and moves the statistics, so
-    the layer's state after each micro-batch is TensorFlow's. It follows an
-    integer `steps` or a `PiecewiseSteps` (it evaluates the schedule on its
-    own count); `AdaptiveSteps`, sized from the optimizer's state, is
-    refused there in one line. Its count is the optimizer's `micro_step` as
-    long as each training step calls it once: a micro-batch skipped under
-    `nonfinite="skip_micro_batch"` is counted by both; a step a
-    `LossScaleOptimizer` skips (an overflow), a second call of the layer
-    in one step, or a call with `training=True` outside training is
-    counted by the layer alone and shifts its windows from the optimizer's
-    by one micro-batch (each window still holds kappa micro-batches).
-
-    Replicas: each replica adds its own micro-batches to its own sums
-    (replica-local variables, no communication). At the window's end the
-    three sums (3 x channels numbers) are all-reduced in ONE call, in
-    cross-replica context inside the optimizer's window-end branch, so the
-    moving statistics are those of one device running the whole global
-    window; nothing is sent on the other micro-steps. (Keras's layer, for
-    comparison, writes its moving statistics on every micro-step.) With
-    `synchronized=True` Keras's own all-reduce of the micro-batch's moments
-    runs on every micro-step as well, for the normalization. Under JAX's
-    `keras.distribution.DataParallel` the layer sees the global
-    micro-batch, and its state is one device's.
-
-    State: `window_sum`, `window_square_sum`, `window_count` (S1, S2, N per
-    channel; float32, float64 under a float64 policy) are non-trainable
-    variables of the layer, saved with the model (with the counters off
-    TensorFlow): a model saved inside a window resumes it exactly. On
-    TensorFlow a micro-batch the optimizer skips (a non-finite gradient
-    under a loss scaler) still counts in the sums; a model called with
-    `training=True` outside training adds to them, as it moves Keras's
-    statistics. A layer called twice in one step folds both calls into its
-    window. A model saved on TensorFlow loads on JAX or PyTorch with the
-    layer's counters at 0 (its next window starts at the next training
-    call), and the other way round.
+    It follows the compiled optimizer under `model.fit` (through a
+    `LossScaleOptimizer`), or the one given to `attach`. With no
+    accumulating optimizer, or in inference, it is Keras's layer bit for
+    bit. Off TensorFlow it counts its own windows (`micro_step`,
+    `window_steps`, `window_end`; `AdaptiveSteps` is refused there). S1, S2
+    and N are the non-trainable variables `window_sum`,
+    `window_square_sum` and `window_count`, saved with the model. See
+    docs/BATCH_NORM.md (windows, replicas, saving, measurements).
 
     Args:
         *args: as `keras.layers.BatchNormalization`.
@@ -154,11 +84,9 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
     def __init__(self, *args: Any, momentum_unit: str = "micro_step", **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.momentum_unit = check_choice("momentum_unit", momentum_unit, MOMENTUM_UNITS)
-        # `attach`'s optimizer (a function returning it), or None: the
-        # optimizer of the model being called.
+        # `attach`'s optimizer (a function returning it); None: the model's.
         self._follows = None
-        # The optimizer whose window the last training call folded into (a
-        # weak reference): its window size sets the momentum of the update.
+        # Weak reference to the optimizer of the last fold: its window sets the momentum.
         self._followed = None
 
     def get_config(self) -> dict:
@@ -168,8 +96,7 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
         super().build(input_shape)
         shape = (input_shape[self.axis],)
         dtype = keras.backend.result_type(self.variable_dtype, "float32")
-        # Replica-local (on-read SUM): each replica adds its own part, a
-        # read in cross-replica context (or a save) sees the total.
+        # Replica-local (on-read SUM): a cross-replica read or a save sees the total.
         with keras.name_scope(self.name, caller=self), self._local_scope():
             local = dict(
                 initializer="zeros",
@@ -198,9 +125,8 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
         mean, variance = _compat.batch_moments(self, inputs, mask)
         if getattr(self, "renorm", False):  # Keras 3.14+
             gamma, beta = _compat.renorm_transform(self, mean, variance, gamma, beta, compute_dtype)
-        # After the renorm correction read the renorm statistics: a window
-        # that ends here (off TensorFlow, in this call) moves them after
-        # this micro-batch, as the optimizer's `apply` does on TensorFlow.
+        # After the renorm correction: a window ending in this call (off TensorFlow)
+        # moves the statistics after this micro-batch, as `apply` does on TensorFlow.
         self._fold_micro_batch(inputs, mask, mean, variance, optimizer)
         outputs = ops.batch_normalization(
             x=inputs,
@@ -214,9 +140,8 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
         return ops.cast(outputs, self.compute_dtype)
 
     def _window_optimizer(self):
-        """The accumulating optimizer whose windows this layer follows now
-        (on TensorFlow registered to call `_end_window`), or None: Keras's
-        behaviour."""
+        """The accumulating optimizer whose windows this layer follows now, or
+        None (Keras's behaviour)."""
         if self._follows is not None:
             optimizer = self._follows()
         else:
@@ -230,10 +155,8 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
         return optimizer
 
     def _window_terms(self, inputs, mask, mean, variance, items):
-        """(n_i (mu_i - c), n_i (s_i^2 + (mu_i - c)^2), n_i) per channel:
-        what micro-batch i adds to the window's sums S1, S2, N, with c the
-        moving mean (a shift, for precision); `items` per channel is n_i
-        without a mask (a number, or a scalar tensor)."""
+        """What micro-batch i adds to S1, S2, N per channel; `items` is n_i
+        without a mask."""
         dtype = self.window_sum.dtype
         rank = len(inputs.shape)
         axes = [a for a in range(rank) if a != self.axis % rank]
@@ -248,10 +171,8 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
         return count * shifted, count * (variance + shifted * shifted), count
 
     def _momenta(self, size):
-        """(momentum, renorm momentum or None) of one update that ends a
-        window of `size` micro-steps (an int, or an integer tensor under a
-        schedule): `momentum ** size` per micro-step, `momentum` per
-        update."""
+        """(momentum, renorm momentum or None) of the update ending a window
+        of `size` micro-steps (an int or an integer tensor)."""
         momenta = [self.momentum, getattr(self, "renorm_momentum", None)]  # Keras 3.14+
         if self.momentum_unit == "update":
             return momenta
@@ -262,10 +183,8 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
         return [None if m is None else ops.power(ops.cast(m, wide), size) for m in momenta]
 
     def _move_statistics(self, mean, variance, write, momenta):
-        """The moving statistics moved towards the window's `mean` and
-        `variance` where `write` holds (per channel), as Keras's layer
-        moves them for one batch, with `momenta` (momentum, renorm
-        momentum) for this update."""
+        """Moves the moving statistics towards the window's `mean` and
+        `variance` where `write` holds (per channel), as Keras's layer does."""
         momentum, renorm_momentum = momenta
 
         def mix(old, new, m):  # Keras's line: old * m + new * (1 - m)
@@ -302,13 +221,11 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
 
 
 def attach(model: keras.Layer, optimizer: keras.optimizers.Optimizer | None) -> list:
-    """Makes the `keras_accum.layers.BatchNormalization` layers of `model`
-    (nested ones included) follow the windows of `optimizer`, for a training
-    loop of your own that calls `optimizer.apply` (under `model.fit` they
-    follow the compiled optimizer without it). While attached, a layer
-    looks at no compiled optimizer; `None` undoes it. A layer that follows
-    an optimizer that does not accumulate is Keras's layer.
-    `keras_accum.training.Trainer` calls it for you.
+    """Makes the `BatchNormalization` layers of `model` follow `optimizer`.
+
+    For a loop of your own that calls `optimizer.apply` (`model.fit` and
+    `keras_accum.training.Trainer` need no call). Nested layers included;
+    while attached a layer ignores the compiled optimizer.
 
     Args:
         model: a model or layer holding `BatchNormalization` layers.
@@ -324,8 +241,7 @@ def attach(model: keras.Layer, optimizer: keras.optimizers.Optimizer | None) -> 
         raise ValueError(
             f"`optimizer` must be a Keras optimizer or None. Received: optimizer={optimizer!r}"
         )
-    # A function returning it: held without making it a tracked dependency
-    # of the layer (its checkpoints stay the layer's own).
+    # A function, so the optimizer is no tracked dependency of the layer.
     link = None if optimizer is None else (lambda: optimizer)
     found = [x for x in [model, *_compat.all_layers(model)] if isinstance(x, BatchNormalization)]
     for layer in found:
@@ -334,18 +250,15 @@ def attach(model: keras.Layer, optimizer: keras.optimizers.Optimizer | None) -> 
 
 
 def convert_batch_normalization(model: keras.Model) -> keras.Model:
-    """A copy of `model` with each `keras.layers.BatchNormalization` layer
-    replaced by `keras_accum.layers.BatchNormalization` (same config).
+    """A copy of `model` with Keras's `BatchNormalization` layers swapped for this one.
 
-    Weights and moving statistics are copied (the new window sums start at
-    zero); the copy predicts exactly as `model` does. Sequential and
-    Functional models, nested ones included (`keras.models.clone_model`).
-    Not converted: subclasses of Keras's layer, and layers inside a layer
-    of your own. The copy is not compiled; compile it. A subclassed model
-    is refused: build it with `keras_accum.layers.BatchNormalization`.
+    Configs, weights and moving statistics are copied; the copy predicts as
+    `model` does. Nested models are converted; subclasses of Keras's layer
+    and layers inside a layer of your own are not.
 
     Args:
-        model: a built Sequential or Functional model.
+        model: a built Sequential or Functional model (a subclassed one
+            is refused).
 
     Returns:
         A new, uncompiled model.

@@ -1,30 +1,5 @@
-"""What the optimizers do with a NaN or an Inf gradient: the `nonfinite`
-argument's policies (`Policy` objects, which the drivers ask what to do),
-and the one-line error of "raise" (the check of a micro-batch is each
-driver's: `all_finite` of the TensorFlow driver, `kernels.finite`
-elsewhere).
-
-+----------------------+----------------------------------------+-------------------------+
-| policy               | a non-finite micro-batch               | counted in              |
-+======================+========================================+=========================+
-| `"skip_micro_batch"` | left out of its window (no weight)     | `skipped_micro_batches` |
-+----------------------+----------------------------------------+-------------------------+
-| `"skip_window"`      | its window's update is dropped         | `skipped_updates`       |
-+----------------------+----------------------------------------+-------------------------+
-| `"raise"`            | InvalidArgumentError (not under XLA)   | -                       |
-+----------------------+----------------------------------------+-------------------------+
-| `None`               | no check: it propagates, as in Keras   | -                       |
-+----------------------+----------------------------------------+-------------------------+
-
-Window state is reset at a window's start whatever its first micro-batch
-does, so a skip never leaves the previous window's sums or update in place.
-Where its window's end runs only at the end (PyTorch; TensorFlow in graph
-mode) `GradientAccumulation` checks "skip_window" on its window sums once
-(NaN and Inf propagate into a sum); elsewhere (JAX, XLA), and for the Adam
-variants, each micro-batch is checked and a bad one marks the window. `InvariantAdam` folds each
-micro-batch into its moments and cannot drop a window afterwards: it
-refuses "skip_window".
-"""
+"""The `nonfinite` policies the drivers ask, and the one-line error of
+"raise". What each policy does: docs/guides/reliability.md."""
 
 import contextlib
 import re
@@ -34,11 +9,8 @@ MESSAGE = "non-finite gradient (nonfinite=raise)"  # no quotes: errors escape th
 
 
 class Policy:
-    """One value of the `nonfinite` argument, as the drivers ask it: whether
-    a micro-batch is screened, what a bad one does, whether the window may
-    be applied, and what a dropped window leaves (the drivers ask these
-    answers, never the policy's name). Plain attributes: reading them
-    enters no function of this module on a traced step.
+    """One value of the `nonfinite` argument, as plain attributes the drivers
+    read (never the policy's name).
 
     Attributes:
         name: the argument's value (`"skip_micro_batch"`, ..., or None).
@@ -46,17 +18,11 @@ class Policy:
         raises: a non-finite micro-batch stops the step (`"raise"`).
         skips: a non-finite micro-batch reaches the rule as zeros, with
             `ok` False (the `skip_*` policies).
-        drops_windows: a window that holds a non-finite micro-batch is not
-            applied, and counted in `skipped_updates` (`"skip_window"`):
-            the window may be applied only where its count of bad
-            micro-batches (`window_bad`) is 0, or where its sums, which a
-            NaN propagates into (`_checks_window_sums`), are finite; a
-            dropped window's sums are cleared, so that no NaN outlives it.
-            A skipped micro-batch is then counted in
-            `skipped_micro_batches` only where the sums would not show it.
-        empties_windows: a window may reach its end with every micro-batch
-            left out, and must then not be applied (`"skip_micro_batch"`:
-            under "skip_window" such a window is dropped anyway).
+        drops_windows: a window holding a non-finite micro-batch (its bad
+            count `window_bad` > 0, or non-finite sums) is not applied but
+            counted in `skipped_updates`, and its sums cleared.
+        empties_windows: a window whose micro-batches were all left out
+            must not be applied (`"skip_micro_batch"`).
     """
 
     def __init__(
@@ -97,11 +63,11 @@ def explained():
     """Turns the error of `nonfinite="raise"` into a `NonFiniteGradientError`
     whose one line names the optimizer, the policy and the micro-step.
 
-    TensorFlow reports an error of a compiled step as "Graph execution
-    error:" followed by the trace of the op that failed; the optimizer's
-    words are buried below it. Under PyTorch the eager step raises
-    `NonFiniteGradientError` itself (JAX refuses `"raise"`: a compiled step
-    cannot raise). Other errors pass through unchanged, on every backend.
+    For TensorFlow's "Graph execution error" of a compiled step; other errors
+    pass through unchanged.
+
+    Raises:
+        NonFiniteGradientError: where the block raised `nonfinite="raise"`'s error.
 
     Example:
         ::
@@ -114,8 +80,7 @@ def explained():
     except NonFiniteGradientError:
         raise  # PyTorch's eager step raises it in one line already
     except Exception as error:
-        # TensorFlow: an `InvalidArgumentError` whose `message` holds the
-        # optimizer's words. No TensorFlow name here: under JAX and PyTorch
+        # TensorFlow's `InvalidArgumentError`, not named: under JAX and PyTorch
         # `tf` is a stand-in that no `except` clause may name.
         found = _RAISED.search(getattr(error, "message", None) or str(error))
         if found is None:

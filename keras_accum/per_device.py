@@ -1,32 +1,12 @@
 """Each device's own gradient under JAX's `keras.distribution`, summed once
 per window (`PerDeviceGradients`).
 
-Keras's JAX `train_step` differentiates the loss of the whole sharded
-batch inside one `jit`, so XLA all-reduces every gradient on every step
-(keras/src/backend/jax/trainer.py, Keras 3.15.1: `train_step`, line 131):
-under `GradientAccumulation` a window of `steps` micro-batches moves
-`steps` times what its one update needs, and `InvariantAdam` squares the
-devices' mean gradient. `PerDeviceGradients` is a model mixin whose
-`train_step` differentiates each device's shard on its device
-(`jax.shard_map`, the parameters cast to varying over the batch axis) and
-hands the optimizer the devices' gradients as one `[devices, *shape]` array
-per variable, sharded over the batch axis. The optimizer keeps each
-device's window sums in variables of that shape and layout (the fold is
-local) and reduces them over the devices once, inside the window's end
-(`lax.cond`): what `tf.distribute` gives the TensorFlow driver. The devices
-may belong to several processes (`keras.distribution.initialize`): each
-process then holds, saves and loads the rows of its own devices.
-
-Under `ModelParallel` the other axes of the mesh stay XLA's: the step is
-manual over the batch axis only (`shard_map`'s `axis_names`), each
-parameter keeps its layout, and each row of a window variable is laid out
-as its parameter. The forward pass runs on each device's shard, as under
-`MirroredStrategy`: a `BatchNormalization` normalizes with its device's
-statistics (Keras's layer's moving statistics are averaged over the
-devices; `keras_accum.layers.BatchNormalization` sums its window's terms
-over them, `summed_over_devices`), each device draws its own dropout
-masks (a seed generator's count moves as on one device), and the loss,
-the compiled loss's trackers and the metrics see the whole batch.
+Keras's JAX `train_step` all-reduces every gradient on every micro-batch.
+Under the mixin, `train_step` differentiates each device's shard on its
+device (`jax.shard_map`, manual over the batch axis only) and hands the
+optimizer one `[devices, *shape]` row per device; the optimizer keeps each
+device's window sums in variables of that layout and reduces them once, in
+the window's end. See docs/guides/fit.md ("One reduction per window").
 """
 
 import contextvars
@@ -39,16 +19,13 @@ from keras_accum import _backend, _compat, _replicas, kernels, weighing
 
 __all__ = ["PerDeviceGradients"]
 
-# The batch axis while `DeviceRoute.train_step` traces each device's step
-# (None elsewhere): what `summed_over_devices` sums over.
+# The batch axis while `DeviceRoute.train_step` traces each device's step, else None.
 _AXIS = contextvars.ContextVar("keras_accum_device_axis", default=None)
 
 
 def summed_over_devices(values: list) -> list:
-    """Inside `PerDeviceGradients`' per-device step, `values` summed over
-    the devices (`keras_accum.layers.BatchNormalization`'s window sums of
-    each micro-batch: the window's statistics are of all its items, as
-    under `tf.distribute`); elsewhere `values` as given."""
+    """`values` summed over the devices inside the per-device step (for
+    `layers.BatchNormalization`'s window sums); elsewhere as given."""
     axis = _AXIS.get()
     if axis is None:
         return values
@@ -58,8 +35,7 @@ def summed_over_devices(values: list) -> list:
 
 
 def _varying_over(axis, value):
-    """`value` typed as varying over `axis` (a psum of an invariant value
-    would not add each device's)."""
+    """`value` typed as varying over `axis`, so that a psum adds each device's."""
     import jax
 
     aval = jax.typeof(value)
@@ -77,17 +53,14 @@ class PerDeviceGradients:
 
         class Net(keras_accum.PerDeviceGradients, keras.Sequential): pass
 
-    then ``Net([...])`` where ``keras.Sequential([...])`` was (or
-    ``Net(inputs, outputs)`` for a functional model; a subclassed model
-    lists the mixin first among its bases). `compile` and `fit` are
-    Keras's. Without a distribution that splits the batch, under another
-    backend, or with another optimizer (`UpdateAccumulationAdam` needs the
-    reduced gradient on every micro-batch), `train_step` is Keras's.
+    then ``Net([...])`` (``Net(inputs, outputs)`` for a functional model; a
+    subclassed model lists the mixin first). Without a distribution that
+    splits the batch, on another backend, or with another optimizer,
+    `train_step` is Keras's. See docs/guides/fit.md.
     """
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Keras's `compile`, then the per-device route for its optimizer
-        (see the class)."""
+        """Keras's `compile`, then the per-device route for its optimizer."""
         super().compile(*args, **kwargs)
         if _backend.BACKEND == "jax" and getattr(self, "optimizer", None) is not None:
             if getattr(self.optimizer, "_device_route", None) is not None:
@@ -97,16 +70,14 @@ class PerDeviceGradients:
                 self.optimizer._device_route = route
 
     def compile_from_config(self, config: dict) -> None:
-        """What Keras's does (`load_model` compiles the model again), through
-        this class's `compile`: the optimizer is built with its per-device
-        sums before its saved state is loaded into them."""
+        """Keras's, through this class's `compile`: `load_model` builds the
+        per-device sums before it loads the saved state into them."""
         self.compile(**keras.saving.deserialize_keras_object(config))
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
     def train_step(self, *args: Any) -> Any:
-        """Keras's, or under the per-device route (JAX) each device's
-        gradient, with `args` Keras's `(state, data)`."""
+        """Keras's, or the per-device route's; `args` Keras's `(state, data)`."""
         route = getattr(getattr(self, "optimizer", None), "_device_route", None)
         if route is None:
             return super().train_step(*args)
@@ -114,9 +85,8 @@ class PerDeviceGradients:
 
 
 class DeviceRoute:
-    """The batch axis of a data-parallel mesh: how many devices, the
-    window variables laid out over them, their reduction, and the train
-    step that differentiates each device's shard."""
+    """The batch axis of a mesh: its window variables, their reduction, and
+    the train step that differentiates each device's shard."""
 
     def __init__(self, mesh: keras.distribution.DeviceMesh, axis: str, devices: int):
         self.mesh, self.axis, self.devices = mesh, axis, devices
@@ -124,8 +94,7 @@ class DeviceRoute:
 
     @classmethod
     def of_distribution(cls) -> "DeviceRoute | None":
-        """The route of the `keras.distribution` in scope: None without one
-        or with one device on the batch axis."""
+        """The route of the distribution in scope, or None (no batch axis of 2+)."""
         distribution = keras.distribution.distribution()
         if distribution is None:
             return None
@@ -140,8 +109,7 @@ class DeviceRoute:
         return cls(mesh, axis, int(sizes[axis]))
 
     def takes(self, optimizer: keras.optimizers.Optimizer) -> bool:
-        """Whether `optimizer` keeps per-device window sums (not built yet:
-        its window variables are made when it is)."""
+        """Whether `optimizer` (not built yet) keeps per-device window sums."""
         if not getattr(optimizer, "_per_device_sums", False):
             return False
         if optimizer.built:
@@ -184,10 +152,8 @@ class DeviceRoute:
 
     @staticmethod
     def local_rows(variable: keras.Variable) -> Any:
-        """What a checkpoint keeps of a window variable: every row on one
-        process; on several, the rows of this process's devices, in order
-        (a process cannot read another's rows without a collective, and
-        Keras's callbacks save on each process on its own)."""
+        """What a checkpoint keeps of a window variable: the rows of this
+        process's devices, in order (every row on one process)."""
         import numpy as np
 
         value = variable.value
@@ -197,9 +163,8 @@ class DeviceRoute:
         return np.concatenate([np.asarray(s.data) for s in shards])
 
     def rows_from(self, variable: keras.Variable, value: Any) -> Any:
-        """A saved window variable (`local_rows`) as a value of `variable`:
-        the whole array as saved on one process; this process's rows,
-        placed on its devices, where the run has several processes."""
+        """A saved `local_rows` value as a value of `variable`, placed on this
+        process's devices."""
         import jax
         import numpy as np
 
@@ -224,35 +189,29 @@ class DeviceRoute:
 
     @staticmethod
     def weighed(rows: list, scale: Any, share: Any) -> tuple:
-        """Under `weigh_micro_batches`: `[devices, *shape]` gradients, each
-        row times its device's scale, and the devices' shares summed (what
-        the micro-batch adds to the window's weight W); `scale` and `share`
-        `GradientAccumulation.weights` of the devices' counts."""
+        """Under `weigh_micro_batches`: each row times its device's `scale`,
+        and the devices' `share`s summed (the micro-batch's weight)."""
         column = lambda g: ops.reshape(scale, (-1,) + (1,) * (len(g.shape) - 1))  # noqa: E731
         return [column(g) * g for g in rows], ops.sum(ops.broadcast_to(share, (len(rows[0]),)))
 
     @staticmethod
     def each_row(function: Any, rows: list) -> list:
-        """`function` (a list of values to a list of as many) applied to each
-        device's row of the `[devices, *shape]` values `rows` on its own
-        (`jax.vmap` over the devices): `InvariantAdam`'s clip of each
-        device's micro-batch, its norms those of the row."""
+        """`function` (list to list) applied to each device's row on its own
+        (`jax.vmap`): `InvariantAdam`'s clip of each device's micro-batch."""
         import jax
 
         return list(jax.vmap(lambda *row: function(list(row)))(*rows))
 
     @staticmethod
     def total(values: list) -> list:
-        """Each `[devices, *shape]` value summed over its devices: the one
-        reduction of a window (in the window's end branch)."""
+        """Each `[devices, *shape]` value summed over its devices: a window's reduction."""
         return [ops.sum(ops.convert_to_tensor(v), axis=0) for v in values]
 
     def window_steps(
         self, keep: Any, momentums: list, velocities: list, alphas: list, epsilon: float
     ) -> list:
-        """`InvariantAdam`'s [alpha m / (sqrt(v) + epsilon)] with m and v the
-        sums of the devices' parts: computed, and the parts reduced, only
-        where `keep` holds (a `cond`); zeros elsewhere."""
+        """`InvariantAdam`'s [alpha m / (sqrt(v) + epsilon)], m and v summed
+        over the devices, where `keep` holds (a `cond`); zeros elsewhere."""
 
         def reduced():
             m, v = self.total(momentums), self.total(velocities)
@@ -264,14 +223,12 @@ class DeviceRoute:
         return ops.cond(keep, reduced, held)
 
     def train_step(self, model: keras.Model, state: tuple, data: Any) -> tuple:
-        """Keras's JAX `train_step` with the gradient of each device's shard:
-        the optimizer gets `[devices, *shape]` gradients, each row its
-        device's share of the mean (its gradient / devices)."""
+        """Keras's JAX `train_step`, with `[devices, *shape]` gradients: each
+        row its device's gradient / devices."""
         import jax
         from jax.sharding import PartitionSpec
 
-        # `weigh_micro_batches`: the loss on each device records its shard's
-        # count (inside the shard_map); the optimizer takes one per device.
+        # `weigh_micro_batches`: each device's loss records its shard's count.
         items = getattr(model.optimizer, "_fit_items", None)
         if items is not None and items.weighed_model() is not model:
             items = None  # compiled again without weighing: nothing recorded
@@ -291,9 +248,8 @@ class DeviceRoute:
                 return jax.lax.pmean(value, axis)
             return jax.lax.pmax(value, axis)  # counters (seed generators)
 
-        # A seed generator's state is (seed, count): each device draws from
-        # its own seed (else every device would drop the same units), and
-        # the count moves as on one device.
+        # Seed generator state (seed, count): each device its own seed (else
+        # all drop the same units); the count moves as on one device.
         seeds = [v.name == "seed_generator_state" for v in model.non_trainable_variables]
 
         def local(trainable, non_trainable, metrics_values, optimizer_values, x, y, sample_weight):
@@ -335,8 +291,7 @@ class DeviceRoute:
                 old + (new - shifted) if seed else new
                 for seed, old, shifted, new in zip(seeds, given, non_trainable, new_non_trainable)
             ]
-            # The compiled loss's trackers add sums (a loss times its items,
-            # the items): every device's addition, varying or not.
+            # The compiled loss's trackers add sums: every device's addition.
             new_metrics = [
                 old + jax.lax.psum(_varying_over(axis, change), axis)
                 for old, change in ((o, n - o) for o, n in zip(metrics_values, new_metrics))
@@ -350,8 +305,7 @@ class DeviceRoute:
                 count,
             )
 
-        # The per-device rows stay out (only `scale_loss` reads the
-        # optimizer's values there, in a scope that wants whole shapes).
+        # Per-device rows stay out (only `scale_loss` reads them there, wanting whole shapes).
         rows = [id(v) in self._rows for v in model.optimizer.variables]
         shapes = [v.shape for v in model.optimizer.variables]
         optimizer_inputs = [None if row else v for row, v in zip(rows, optimizer_values)]
@@ -374,9 +328,8 @@ class DeviceRoute:
 
 
 def _layout_axes(variable: keras.Variable) -> tuple:
-    """The mesh axes `variable` is sharded over, one entry per dimension
-    (None: not sharded), from the layout Keras gave it (a `TensorLayout`,
-    or a JAX `NamedSharding` where one was given as the layout)."""
+    """The mesh axes `variable` is sharded over, one entry (or None) per
+    dimension, from its `TensorLayout` or JAX `NamedSharding`."""
     layout = _compat.variable_layout(variable)
     axes = getattr(layout, "axes", None)
     if axes is None:

@@ -1,67 +1,13 @@
 """Rematerialization (gradient checkpointing) of a built model: `rematerialize`.
 
-Accumulation makes the batch independent of memory down to one micro-batch,
-activations included. Rematerialization lowers that floor: each layer keeps
-its input for the backward pass and recomputes everything else it computed
+Each layer keeps its input for the backward pass and recomputes the rest
 (Chen et al. 2016, arXiv:1604.06174), for about one more forward pass.
-
-Modes (`MODES`):
-
-* "none": every activation is kept (Keras's default).
-* "full": every layer of the model is recomputed in the backward pass.
-* "larger_than": only layers whose output has more than
-  `output_size_threshold` elements per item (Keras's default, 1024) are.
-
-`rematerialize(model, mode)` returns a new model, made by
-`keras.models.clone_model`, in which each layer to recompute is wrapped in
-`Rematerialized`. The new model shares `model`'s layers, so its variables
-are `model`'s (the same objects, no copy); `model`, its layers and Keras
-are otherwise left as they were, and no other model in the process changes.
-It takes a Sequential or Functional model, built, loaded or resumed; a
-subclassed model cannot be cloned: wrap its heavy sublayers in
-`Rematerialized` where it is defined. If `model` is compiled, the new model
-is compiled the same way with the same optimizer object (its state
-included).
-
-Which layers: the outermost model is not wrapped (recomputing the whole
-forward pass once more would save nothing beyond the per-layer
-recomputation); a nested Sequential or Functional model counts as its
-layers, a nested subclassed model as one layer. An `Embedding` is never
-wrapped: its gradient is sparse on TensorFlow (`tf.IndexedSlices`, one
-row per token seen), `tf.recompute_grad` would return it dense (every row,
-and Adam would then move rows no token touched), and on every backend a
-lookup keeps nothing that recomputing it would free. Nor is a layer that
-draws random numbers (Dropout with rate > 0, or a layer holding one): its
-recomputation would draw new ones. Nor is a `BatchNormalization`: its
-training call moves its moving statistics, and the recomputation would
-move them a second time. Nor is a layer with an `activity_regularizer`
-(or holding one): its loss would be computed inside the recomputed
-function, where TensorFlow drops its gradient and JAX leaks a tracer; a
-layer that calls `add_loss` itself is not detected, wrap it yourself only
-if it does not.
-
-Backends: the recomputation is Keras's own on JAX and PyTorch,
-`keras.remat` (`jax.checkpoint`, and `torch.utils.checkpoint` without
-reentrance; Keras >= 3.9, older Keras is refused there in one line), and
-on TensorFlow `tf.recompute_grad`, which is what `keras.remat` is there
-(and runs on every Keras this package supports). Why not `keras.RematScope`:
-it decides when a layer is created, not for a model already built; and on
-TensorFlow `tf.recompute_grad` in a `tf.function` refuses keyword
-arguments, while Keras calls every layer with `training=...`: a model
-built under `keras.RematScope` cannot train in graph mode or under XLA
-(keras-team/keras#21207). `Rematerialized` passes the tensors among the
-call's arguments to the recomputed function positionally and binds the
-others around it (`recompute_grad`): on JAX that also keeps `training`
-and masks out of `jax.checkpoint`'s traced arguments.
-
-Saving: a rematerialized model's `.keras` file holds its `Rematerialized`
-layers (registered as "keras_accum>Rematerialized"): `import keras_accum`
-before `keras.models.load_model`. Its variables and their paths are those
-of the model without it; in the file each wrapped layer's weights sit
-under its wrapper's.
-
-What it saves and costs is measured in BENCHMARKS.md ("Rematerialization");
-the guide "When one example does not fit" (docs/guides/memory.md) sums it up.
+Modes (`MODES`): "none" keeps every activation (Keras's default); "full"
+recomputes every layer it can; "larger_than" only layers whose output has
+more than `output_size_threshold` elements per item. Embeddings, layers
+that draw random numbers, `BatchNormalization` and layers with an
+`activity_regularizer` are never wrapped. See docs/guides/memory.md;
+BENCHMARKS.md ("Rematerialization") has the measurements.
 
 Example:
 
@@ -86,8 +32,7 @@ KERAS_REMAT = "3.9.0"
 
 
 def check_mode(mode: str, name: str = "mode") -> str:
-    """`mode` if it is one of `MODES`, else a one-line ValueError naming the
-    argument as the caller's signature spells it (`name`)."""
+    """`mode` if it is one of `MODES`, else a ValueError naming argument `name`."""
     return check_choice(name, mode, MODES)
 
 
@@ -95,23 +40,18 @@ def check_mode(mode: str, name: str = "mode") -> str:
 class Rematerialized(keras.layers.Wrapper):
     """`layer`, recomputed in the backward pass: only its inputs are kept.
 
-    Calls `layer` itself (its inputs, `training`, masks and mixed precision
-    as without the wrapper) through `recompute_grad`. The wrapper has no
-    variables of its own: they are `layer`'s. `rematerialize` wraps the
-    layers of a built model; in a subclassed model, wrap a heavy sublayer
-    where it is defined:
+    Calls `layer` (inputs, `training`, masks and mixed precision as without
+    the wrapper) through `recompute_grad`; the variables are `layer`'s. In a
+    subclassed model, wrap a heavy sublayer where it is defined:
 
         self.block = keras_accum.remat.Rematerialized(Block(...))
 
-    A layer not built yet is built from the wrapper's first input shape, as
-    Keras's wrappers do: build a layer of several inputs (e.g.
-    `MultiHeadAttention`) before wrapping it.
+    Build a layer of several inputs (e.g. `MultiHeadAttention`) before
+    wrapping it: an unbuilt one is built from the first input shape.
 
     Args:
         layer: the layer to recompute: not one that draws random numbers
-            (its recomputation would draw new ones) nor an `Embedding` (its
-            sparse gradient would come back dense); one with an
-            `activity_regularizer` is refused.
+            nor an `Embedding`; one with an `activity_regularizer` is refused.
         **kwargs: `keras.layers.Layer` arguments; `name`, `dtype` and
             `trainable` default to `layer`'s.
     """
@@ -136,9 +76,8 @@ class Rematerialized(keras.layers.Wrapper):
         return recompute_grad(self.layer)(inputs, *args, training=training, **kwargs)
 
     def _masks(self, inputs, args, kwargs):
-        """The masks Keras's `__call__` would give `layer` from its inputs'
-        (where none is passed): passed explicitly, so that the
-        recomputation, whose inputs carry no mask, sees them too."""
+        """The masks Keras's `__call__` would give `layer` from its inputs',
+        passed explicitly: the recomputation's inputs carry none."""
         signature = inspect.signature(self.layer.call)
         try:
             bound = signature.bind(inputs, *args, **kwargs).arguments
@@ -182,8 +121,7 @@ def _all_tensors(value):
 
 
 def _require_recomputation(feature):
-    """Raises, in one line, under JAX or PyTorch with a Keras older than
-    `KERAS_REMAT` (no `keras.remat`); TensorFlow's route needs none."""
+    """Raises under JAX or PyTorch with a Keras older than `KERAS_REMAT`."""
     if _backend.IS_TENSORFLOW or hasattr(keras, "remat"):
         return
     raise RuntimeError(
@@ -196,21 +134,22 @@ def _require_recomputation(feature):
 def rematerialize(model: keras.Model, mode: str, output_size_threshold: int = 1024):
     """A new model, sharing `model`'s layers, that recomputes them per `mode`.
 
+    Made by `keras.models.clone_model`; `model`, its layers and Keras are
+    left as they were. See docs/guides/memory.md ("Reference").
+
     Args:
         model: a built Sequential or Functional Keras model (a subclassed
-            one is refused); its own call is not wrapped. Layers it already
-            wraps in `Rematerialized` are decided again: "none" unwraps them.
+            one is refused). Layers it already wraps in `Rematerialized`
+            are decided again: "none" unwraps them.
         mode: one of `MODES`.
         output_size_threshold: elements per item above which "larger_than"
-            recomputes a layer. Decided here from each layer's output shape
-            in the model's graph (a layer without one counts as large):
-            Keras's own "larger_than" asks each layer for its output spec on
-            every call, which fails for some layers on graph tensors.
+            recomputes a layer, from its output shape in the model's graph
+            (a layer without one counts as large).
 
     Returns:
         A Functional model (also for a Sequential `model`) with `model`'s
         name and the shapes of its inputs and outputs, compiled like `model`
-        if it is compiled.
+        (with the same optimizer object) if it is compiled.
     """
     check_mode(mode)
     if not _is_graph_model(model):
@@ -247,15 +186,13 @@ def mode_of(model: keras.Model) -> str:
 
 
 def _is_graph_model(layer):
-    """A Sequential or Functional model (`keras.Function` is the graph
-    class behind Functional models)."""
+    """A Sequential or Functional model (a `keras.Function`)."""
     return isinstance(layer, (keras.Sequential, keras.Function))
 
 
 def _uncompiled(model):
-    """A Functional model on `model`'s own graph (layers and nodes), not
-    compiled: `clone_model` would compile its copy of a compiled model from
-    the compile config, building a second optimizer."""
+    """`model` as an uncompiled Functional model on its own graph (a
+    compiled one would make `clone_model` build a second optimizer)."""
     if isinstance(model, keras.Sequential):
         if not model.built:
             raise ValueError(
@@ -268,8 +205,7 @@ def _uncompiled(model):
 
 
 def _compile_like(new, model):
-    """Compiles `new` as `model` is: the same optimizer object (built, with
-    its state) and loss, the other arguments from its compile config."""
+    """Compiles `new` as `model` is, with the same optimizer object and loss."""
     config = dict(model.get_compile_config())
     config.pop("optimizer", None)
     config.pop("loss", None)
@@ -278,8 +214,7 @@ def _compile_like(new, model):
 
 
 def _candidates(model):
-    """The layers `rematerialize` decides about: `model`'s, a nested
-    Sequential or Functional model replaced by its own."""
+    """The layers `rematerialize` decides about, nested graph models flattened."""
     for layer in model.layers:
         if _is_graph_model(layer):
             yield from _candidates(layer)
@@ -288,11 +223,8 @@ def _candidates(model):
 
 
 def _may_recompute(layer):
-    """False for what is never wrapped: an operation that is not a layer
-    (`x + y` in a Functional model), `InputLayer`, `Embedding`,
-    `BatchNormalization` (a recomputation would move its moving statistics
-    twice), a layer that draws random numbers and one with an activity
-    regularizer."""
+    """False for what is never wrapped (see the module docstring), and for an
+    operation that is not a layer (`x + y`) or an `InputLayer`."""
     if not isinstance(layer, keras.layers.Layer):
         return False
     never = (keras.layers.Embedding, keras.layers.InputLayer, keras.layers.BatchNormalization)
@@ -302,9 +234,7 @@ def _may_recompute(layer):
 
 
 def _adds_activity_loss(layer):
-    """True if `layer` or a layer inside it has an `activity_regularizer`:
-    Keras's `__call__` adds its loss, which inside the recomputed function
-    would lose its gradient (TensorFlow) or leak a tracer (JAX)."""
+    """True if `layer` or a layer inside it has an `activity_regularizer`."""
     if not isinstance(layer, keras.layers.Layer):
         return False
     inner = [layer, *_compat.all_layers(layer)]
@@ -312,18 +242,14 @@ def _adds_activity_loss(layer):
 
 
 def _draws_random_numbers(layer):
-    """True if `layer` or a layer inside it holds a `SeedGenerator`
-    (Dropout with rate > 0, GaussianNoise, ...): a recomputation would draw
-    new numbers, and the gradient would not be that of the forward pass.
-    Keras documents `layer.variables` as `layer.weights` plus the states of
-    its seed generators."""
+    """True if `layer` or a layer inside it holds a `SeedGenerator` (Keras's
+    `layer.variables` are its weights plus its seed generators' states)."""
     weights = {id(v) for v in layer.weights}
     return any(id(v) not in weights for v in layer.variables)
 
 
 def _output_size(layer):
-    """Elements per item of `layer`'s output in the model's graph (inf if
-    it has no single known output)."""
+    """Elements per item of `layer`'s output in the model's graph, or inf."""
     try:
         outputs = keras.tree.flatten(layer.output)
     except (AttributeError, ValueError):
@@ -334,16 +260,12 @@ def _output_size(layer):
 def recompute_grad(f):
     """`f` recomputed in the backward pass, keyword arguments accepted.
 
-    The recomputation is `tf.recompute_grad` on TensorFlow and `keras.remat`
-    on JAX and PyTorch (`jax.checkpoint`, `torch.utils.checkpoint`). The
-    float tensors among the arguments (positional or keyword, nested or
-    not) are passed to it positionally, so gradients reach all of them;
-    the other arguments (`training=True`, `use_causal_mask=True`, a boolean
-    mask, token ids: TensorFlow's backward pass adds a float to each input,
-    and `jax.checkpoint` would trace a Python bool) are bound around it.
-    Give it a layer rather than its `call`: the layer's `__call__` opens its
-    mixed-precision autocast scope again when the backward pass recomputes
-    it.
+    `tf.recompute_grad` on TensorFlow, `keras.remat` on JAX and PyTorch. The
+    float tensors among the arguments (nested or not) are passed to it
+    positionally, so gradients reach all of them; the other arguments
+    (`training`, boolean masks, token ids) are bound around it. Give it a
+    layer rather than its `call`, so the recomputation reopens its
+    mixed-precision autocast scope.
     """
     checkpoint = tf.recompute_grad if _backend.IS_TENSORFLOW else keras.remat
     nest = tf.nest if _backend.IS_TENSORFLOW else keras.tree

@@ -1,43 +1,6 @@
 """Hyperparameter scaling rules for changing the number of micro-batches.
 
-From a base tuned at kappa = 1 (one micro-batch per update), for kappa
-micro-batches per update:
-
-+----------------+------------------+------------------------+-----------------------+
-| rule           | learning_rate    | beta_i'                | epsilon               |
-+================+==================+========================+=======================+
-| "invariant"    | kappa * lr       | 1 - kappa (1 - beta_i) | same                  |
-+----------------+------------------+------------------------+-----------------------+
-| "sqrt"         | sqrt(kappa) * lr | 1 - kappa (1 - beta_i) | epsilon / sqrt(kappa) |
-+----------------+------------------+------------------------+-----------------------+
-| "power"        | kappa * lr       | ``beta_i ** kappa``    | same                  |
-+----------------+------------------+------------------------+-----------------------+
-| "fixed_beta_1" | kappa * lr       | beta_1 same,           | same                  |
-|                |                  | ``beta_2 ** kappa``    |                       |
-+----------------+------------------+------------------------+-----------------------+
-
-"invariant" is the linear rule under which `InvariantAdam` curves do not
-depend on kappa (Wang & Aitchison 2024); "sqrt" is the square-root rule for
-standard Adam (Malladi et al. 2022, arXiv:2205.10287); "power" is the
-invariant rule with the exponent form of the betas, which stays meaningful
-when kappa * (1 - beta) >= 1 (the linear beta rule is refused there, never
-clipped silently). "fixed_beta_1" keeps beta_1: the momentum then averages
-over kappa times more examples, which keeps Adam's stability threshold on
-the preconditioned sharpness, (2 + 2 beta_1) / (lr (1 - beta_1)), from
-falling faster than 1 / kappa (it falls ~100x at kappa = 8 under
-"invariant" with beta_1 = 0.9).
-
-Two more quantities integrate over updates and are rescaled when given:
-
-* `ema_momentum` (the weights' moving average, `use_ema=True`):
-  rho ** kappa under every rule, so the average forgets at a fixed rate
-  per example.
-* `weight_decay` (decoupled, theta -= lr * weight_decay * theta once per
-  update): the window's factor is 1 - lr' * weight_decay', and
-  lr' * weight_decay' = kappa * lr * weight_decay under every rule, the
-  decay per example of kappa = 1 (to first order in lr * weight_decay).
-  So weight_decay is unchanged where lr' = kappa * lr and multiplied by
-  sqrt(kappa) under "sqrt".
+The rules, their sources and when to use each: docs/ALGORITHMS.md.
 """
 
 from __future__ import annotations
@@ -50,8 +13,7 @@ from keras_accum.validation import check_choice, check_float
 RULES = ("invariant", "sqrt", "power", "fixed_beta_1")
 # `InvariantAdam(scaling_rule=...)`: the rules applied per window.
 SCALING_RULES = ("invariant", "power", "fixed_beta_1", None)
-# How each rule scales (beta_1, beta_2): 1 - beta' = kappa (1 - beta)
-# ("linear"), beta' = beta ** kappa ("power") or beta' = beta ("fixed").
+# How each rule scales (beta_1, beta_2) (see `scaled_beta`).
 BETA_FORMS = {
     "invariant": ("linear", "linear"),
     "sqrt": ("linear", "linear"),
@@ -62,8 +24,7 @@ BETA_FORMS = {
 
 
 def check_linear_beta(kappa: float, name: str, beta: float, argument: str = "rule") -> None:
-    """Refuses the linear rule 1 - beta' = kappa (1 - beta) where it makes
-    beta' <= 0, naming `argument` (the caller's name for the rule)."""
+    """Refuses 1 - beta' = kappa (1 - beta) where beta' <= 0, naming `argument`."""
     # With a rounding margin: 10 * (1 - 0.9) is 0.9999999999999998.
     if kappa * (1 - beta) >= 1 - 1e-9:
         raise ValueError(
@@ -87,17 +48,32 @@ def scale_hyperparameters(
 ) -> dict[str, float]:
     """Scales Adam hyperparameters from kappa = 1 to `kappa` micro-batches.
 
+    ::
+
+        "invariant":    lr' = kappa lr,        1 - beta_i' = kappa (1 - beta_i)
+        "sqrt":         lr' = sqrt(kappa) lr,  1 - beta_i' = kappa (1 - beta_i),
+                        epsilon' = epsilon / sqrt(kappa)
+        "power":        lr' = kappa lr,        beta_i' = beta_i ** kappa
+        "fixed_beta_1": lr' = kappa lr,        beta_1' = beta_1, beta_2' = beta_2 ** kappa
+        every rule:     ema_momentum' = ema_momentum ** kappa,
+                        lr' weight_decay' = kappa lr weight_decay
+
+    "invariant" is for `InvariantAdam`, "sqrt" for standard Adam (Malladi et
+    al. 2022). See docs/ALGORITHMS.md.
+
     Args:
         kappa: micro-batches per update (steps x replicas), a number > 0.
-        rule: "invariant", "sqrt", "power" or "fixed_beta_1" (see the module
-            docstring).
+        rule: "invariant", "sqrt", "power" or "fixed_beta_1".
         learning_rate, beta_1, beta_2, epsilon: the base values at kappa = 1.
-        weight_decay, ema_momentum: optional base values, rescaled (see the
-            module docstring) and returned only when given.
+        weight_decay, ema_momentum: optional base values, rescaled and
+            returned only when given.
 
     Returns:
         dict with keys learning_rate, beta_1, beta_2, epsilon (and
         weight_decay, ema_momentum when given).
+
+    Raises:
+        ValueError: an invalid argument, or a linear rule making a beta <= 0.
 
     Example:
         >>> hp = scale_hyperparameters(kappa=4, rule="invariant",
@@ -148,8 +124,7 @@ def scaled_beta(beta: float, kappa: float, form: str) -> float:
 
 
 def check_scaling_rule(rule: Any, beta_1: float, beta_2: float, max_kappa: int) -> Any:
-    """Validates `scaling_rule` and refuses a linear rule that would make a
-    beta <= 0 for the largest window (`max_kappa` micro-batches)."""
+    """Validates `scaling_rule` for windows of up to `max_kappa` micro-batches."""
     check_choice("scaling_rule", rule, SCALING_RULES)
     betas = (("beta_1", beta_1), ("beta_2", beta_2))
     for (name, beta), form in zip(betas, BETA_FORMS[rule]):

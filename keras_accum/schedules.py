@@ -1,27 +1,12 @@
 """Batch-size schedules: the number of micro-batches per window, over time.
 
-`steps` of the three optimizers takes an integer or one of these objects.
-A schedule is asked once per window, when the window starts: given the
-optimizer's `micro_step` s (micro-batches per replica consumed so far) it
-returns the size of the window that starts at s. A window in progress always
-finishes with the size it started with. Under a `tf.distribute` strategy a
-window holds kappa = steps x replicas micro-batches, as with a constant
-`steps`.
-
-* `PiecewiseSteps(boundaries, values)`: fixed switches, e.g. 1 micro-batch
-  per update for the first 2000 micro-steps, then 4, then 16 after 8000;
-  boundaries in micro-steps, or with `unit="examples"` / `"tokens"` in
-  examples or tokens over all replicas.
-* `AdaptiveSteps(min_steps, max_steps, micro_batch_size, ...)`: grows the
-  window with a smoothed gradient noise scale, kappa ~ B_simple / micro-batch
-  size (McCandlish et al. 2018), never decreasing, optionally after a
-  `PiecewiseSteps` warmup (`keras_accum.adaptive_steps`).
-
-The value is a tensor computed from variables, so a traced training step is
-not retraced when the size changes.
-
-`InvariantAdam(scaling_rule=...)` rescales its hyperparameters per window
-(`keras_accum.scaling`); see its docstring.
+`steps` of the three optimizers takes an integer or a `StepsSchedule`:
+`PiecewiseSteps` (fixed switches) or `AdaptiveSteps` (from the gradient
+noise scale, `keras_accum.adaptive_steps`). The optimizer asks it once per
+window, when the window starts, for that window's micro-batches per replica
+(kappa = that x replicas under a `tf.distribute` strategy); a window in
+progress keeps its size. The value is a tensor: no retracing when it
+changes. See docs/guides/schedules.md.
 """
 
 from __future__ import annotations
@@ -64,8 +49,7 @@ class StepsSchedule:
         return cls(**config)
 
 
-# The units `PiecewiseSteps` boundaries may be given in, and the argument
-# that says how many of each unit one micro-step consumes.
+# `PiecewiseSteps` units, and the argument giving each unit's amount per micro-step.
 UNITS = ("micro_steps", "examples", "tokens")
 _PER_MICRO_STEP = {"examples": "micro_batch_size", "tokens": "tokens_per_micro_batch"}
 
@@ -74,40 +58,18 @@ _PER_MICRO_STEP = {"examples": "micro_batch_size", "tokens": "tokens_per_micro_b
 class PiecewiseSteps(StepsSchedule):
     """Window sizes that switch at fixed points of the run.
 
-    The window that starts at micro-step s (micro-batches per replica, the
-    optimizer's `micro_step`) has `values[i]` micro-batches per replica,
-    where i is the number of `boundaries` at or before s.
-
-    `boundaries` are in micro-steps by default. With `unit="examples"` they
-    count examples over all replicas, as Megatron's and OLMo's batch-size
-    ramps do: micro-step s has consumed s x `micro_batch_size` examples,
-    `micro_batch_size` being the examples of one micro-step summed over the
-    replicas (`model.fit`'s `batch_size`; the per-replica micro-batch size x
-    replicas under a `tf.distribute` strategy; the global batch under a
-    Keras `DataParallel` distribution). With `unit="tokens"`,
-    `tokens_per_micro_batch` (sequence length x `micro_batch_size`, over
-    all replicas) plays that part; it must be fixed (packed or padded
-    sequences): no token counter is kept. Either way the count is
-    s x the per-micro-step amount, so a short last batch of an epoch counts
-    as a full one. Under `model.fit` the size is checked before anything is
-    written (`check_batch_size`): a `batch_size` other than
-    `micro_batch_size` is refused in one line naming both.
-
-    A boundary b in examples switches at the first micro-step whose count
-    reaches it, ceil(b / micro_batch_size) (`micro_step_boundaries`): a
-    boundary that is not a multiple of `micro_batch_size` is rounded up to
-    the next micro-step, and the window there is the first to get the new
-    value. Two boundaries that round to the same micro-step are refused
-    (the value between them would never be used).
-
-    With `ramp` > 0 (in `unit`), a switch from a to b goes through every
-    integer between them, one at a time, equally spaced from the boundary
-    (the first step: a + 1 there) to boundary + `ramp` (b from there), like
-    Megatron's `--rampup-batch-size`; switches between neighbours (1 -> 2)
-    are unchanged. Under InvariantAdam's `"fixed_beta_1"` (lr x kappa) a
-    jump 1 -> 4 multiplies the per-update step by 4 at once; the ramp
-    spreads that over the ramp (docs/BATCH_SIZE_SCHEDULES.md measures the
-    loss spike it removes). `micro_step_boundaries` lists every step.
+    The window that starts at micro-step s (the optimizer's `micro_step`)
+    has `values[i]` micro-batches per replica, i the number of `boundaries`
+    <= s. With `unit="examples"` ("tokens") the boundaries count examples
+    (tokens) over all replicas: micro-step s has consumed s x
+    `micro_batch_size` (s x `tokens_per_micro_batch`), and boundary b
+    switches at the first micro-step whose count reaches it; two boundaries
+    that round to one micro-step are refused. Under `model.fit` a `batch_size`
+    other than `micro_batch_size` is refused (`check_batch_size`). With
+    `ramp` > 0 a switch from a to b goes through every integer between
+    them, equally spaced from the boundary (a + 1 there) to boundary +
+    `ramp` (b there). `micro_step_boundaries` lists every switch in
+    micro-steps. See docs/guides/schedules.md.
 
     Example:
         kappa = 1 for 2000 micro-steps, then 4, then 16 from micro-step 8000:
@@ -137,13 +99,12 @@ class PiecewiseSteps(StepsSchedule):
         values: integers >= 1, one more than `boundaries`.
         unit: what `boundaries` count: "micro_steps" (default), "examples"
             or "tokens", over all replicas.
-        micro_batch_size: with `unit="examples"` (and only then), the
-            examples one micro-step consumes over all replicas (>= 1).
-        tokens_per_micro_batch: with `unit="tokens"` (and only then), the
-            tokens one micro-step consumes over all replicas (>= 1).
+        micro_batch_size: with `unit="examples"` only, the examples one
+            micro-step consumes over all replicas (>= 1; `fit`'s `batch_size`).
+        tokens_per_micro_batch: with `unit="tokens"` only, the tokens one
+            micro-step consumes over all replicas (>= 1; fixed).
         ramp: integer >= 0, in `unit`: the length of each switch's ramp
-            through the integers between its values (0, the default: none);
-            it must end before the next boundary.
+            (0, the default: none); it must end before the next boundary.
     """
 
     def __init__(
@@ -219,10 +180,8 @@ class PiecewiseSteps(StepsSchedule):
         self.min_steps, self.max_steps = min(self.values), max(self.values)
 
     def _ramp(self, i):
-        """[(boundary in `unit`, value)] of switch i: from values[i] to
-        values[i + 1] one integer at a time, the first step at the boundary,
-        the last at boundary + ramp, equally spaced (rounded down); without
-        a ramp, or between neighbours, one switch at the boundary."""
+        """[(boundary in `unit`, value)] of switch i through the integers
+        between its values (one switch without a ramp or between neighbours)."""
         start, end, at = self.values[i], self.values[i + 1], self.boundaries[i]
         n = abs(end - start)
         if not self.ramp or n <= 1:
@@ -232,12 +191,9 @@ class PiecewiseSteps(StepsSchedule):
         return [(at + (j - 1) * self.ramp // (n - 1), start + j * sign) for j in range(1, n + 1)]
 
     def check_batch_size(self, batch_size: int | None) -> None:
-        """Refuses in one line a micro-batch of `batch_size` examples (over
-        all replicas, as `fit`'s `batch_size`) that is not the one the
-        boundaries were converted with: `micro_batch_size` with
-        `unit="examples"`; with `unit="tokens"`, `tokens_per_micro_batch`
-        must be a whole number of tokens per example. None (a size nobody
-        can tell) warns that nothing is checked. Micro-steps need nothing."""
+        """Refuses a `batch_size` (over all replicas) other than the one the
+        boundaries were converted with (tokens: a whole number per example);
+        None warns that nothing is checked."""
         needed = _PER_MICRO_STEP.get(self.unit)
         if needed is None:
             return
@@ -278,16 +234,14 @@ class PiecewiseSteps(StepsSchedule):
         return ops.take(values, index)
 
     def _unit_arguments(self):
-        """`unit` and its size, or nothing for micro-steps (the configs of
-        keras_accum 0.3.0 and before, which load the same and load there)."""
+        """`unit` and its size, or nothing for micro-steps (as older configs)."""
         needed = _PER_MICRO_STEP.get(self.unit)
         if needed is None:
             return {}
         return {"unit": self.unit, needed: getattr(self, needed)}
 
     def _extra_arguments(self):
-        """`unit` and its size, and `ramp` where not 0 (configs without
-        them load as before)."""
+        """`unit` and its size, and `ramp` where not 0."""
         return {**self._unit_arguments(), **({"ramp": self.ramp} if self.ramp else {})}
 
     def get_config(self):
@@ -316,13 +270,9 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_trained_size(steps: Any) -> None:
-    """Under `model.fit`, refuses in one line a schedule whose boundaries in
-    examples or tokens were converted with another micro-batch than the one
-    `fit` trains (its `batch_size`): the switches would land elsewhere than
-    written, silently. `apply` calls it before it writes anything. A `fit`
-    whose data does not tell its batch size gets a warning that the size
-    is not checked. Outside `fit` (a loop of one's own) nothing is checked:
-    the loop chose both sizes."""
+    """Under `model.fit`, `check_batch_size` of a schedule (or its warmup) in
+    examples or tokens, once per `fit`; `apply` calls it before it writes
+    anything. Outside `fit` nothing is checked."""
     for schedule in (steps, getattr(steps, "warmup", None)):
         if isinstance(schedule, PiecewiseSteps) and schedule.unit != "micro_steps":
             context = _compat.fit_context()

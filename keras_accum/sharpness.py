@@ -1,17 +1,12 @@
 """Preconditioned sharpness: is a learning rate stable for Adam, and at kappa?
 
-Adam with a frozen preconditioner P = diag(sqrt(v_hat) + epsilon) is stable
-on a quadratic while the preconditioned sharpness S = lambda_max(P^-1 H) (H
-the loss's Hessian) stays below (Cohen et al. 2022, "adaptive edge of
-stability", arXiv:2207.14484)::
+Adam with a frozen P = diag(sqrt(v_hat) + epsilon) is stable on a quadratic
+while S = lambda_max(P^-1 H) (H the Hessian) stays below (Cohen et al. 2022,
+arXiv:2207.14484)::
 
     threshold = (2 + 2 beta_1) / (lr (1 - beta_1)).
 
-A scaling rule changes lr and beta_1 per update with kappa, and so the
-threshold: at kappa = 8 from beta_1 = 0.9 it falls 101x under "invariant"
-(lr x 8, beta_1 = 0.2), 60x under "power" and 8x under "fixed_beta_1".
-`InvariantAdam`'s v, and so P, does not depend on kappa: S measured along a
-kappa = 1 run says which kappa a rule can take at a learning rate.
+What a scaling rule does to it at kappa: docs/guides/diagnostics.md.
 
 Example::
 
@@ -36,11 +31,14 @@ from keras_accum.validation import check_float
 
 
 def stability_threshold(learning_rate: float, beta_1: float) -> float:
-    """(2 + 2 beta_1) / (lr (1 - beta_1)): the largest preconditioned
-    sharpness at which Adam's update is stable on a quadratic.
+    """(2 + 2 beta_1) / (lr (1 - beta_1)): Adam's largest stable preconditioned sharpness.
 
     >>> round(stability_threshold(1e-3, 0.9))
     38000
+
+    Args:
+        learning_rate: lr > 0.
+        beta_1: in [0, 1).
     """
     check_float("learning_rate", learning_rate, minimum=0.0, open_minimum=True)
     check_float("beta_1", beta_1, minimum=0.0, maximum=1.0, open_maximum=True)
@@ -48,9 +46,15 @@ def stability_threshold(learning_rate: float, beta_1: float) -> float:
 
 
 def threshold_times_lr(kappa: float, rule: str, beta_1: float = 0.9) -> float:
-    """Base lr x the threshold of the (lr_k, beta_1,k) that `rule` gives at
-    `kappa` from a base lr (a constant: lr_k / lr does not depend on lr).
-    38 at kappa = 1 with beta_1 = 0.9."""
+    """Base lr x the threshold at the (lr_k, beta_1,k) `rule` gives at `kappa`.
+
+    Independent of lr: 38 at kappa = 1, beta_1 = 0.9.
+
+    Args:
+        kappa: micro-batches per update.
+        rule: a `scale_hyperparameters` rule.
+        beta_1: the base beta_1.
+    """
     h = scale_hyperparameters(kappa, rule, 1.0, beta_1)
     return stability_threshold(h["learning_rate"], h["beta_1"])
 
@@ -86,22 +90,18 @@ def preconditioned_sharpness(
     iterations: int = 30,
     seed: int = 0,
 ) -> tf.Tensor:
-    """The largest-magnitude eigenvalue of D H D, D = diag(`scale`).
+    """The largest-magnitude eigenvalue of D H D, D = diag(`scale`) (TensorFlow).
 
-    Power iteration from a seeded random unit vector u:
-    ``u <- D H D u / |D H D u|``, `iterations` times; returns the Rayleigh
-    quotient u . D H D u of the last u. With `scale` = P^-1/2
-    (`adam_preconditioner`) D H D has the spectrum of P^-1 H, S; with None
-    (ones) it is lambda_max(H). Wrap the call in a `tf.function` to run
-    it repeatedly.
+    Power iteration ``u <- D H D u / |D H D u|`` from a seeded random unit
+    vector; returns the Rayleigh quotient u . D H D u. With `scale` = P^-1/2
+    (`adam_preconditioner`) that is S; with None, lambda_max(H). Wrap the
+    call in a `tf.function` to run it repeatedly.
 
     Args:
-        loss_fn: no-argument callable returning the scalar loss (a fixed
-            batch: the full-batch loss whose sharpness is meant).
+        loss_fn: no-argument callable returning the loss on a fixed batch.
         variables: the trainable variables H is taken over.
         scale: one tensor per variable (D), or None.
-        iterations: power iterations (30 agree with 100 to about 1% on the
-            MNIST-1D MLP).
+        iterations: power iterations (30 agree with 100 to ~1% on an MLP).
         seed: the start vector's seed.
     """
     scale = scale or [tf.ones_like(v) for v in variables]
@@ -121,20 +121,18 @@ def preconditioned_sharpness(
 
 
 def adam_preconditioner(optimizer: Any, epsilon: float | None = None) -> list[tf.Tensor]:
-    """P^-1/2 = 1 / sqrt(sqrt(v_hat) + epsilon), a tensor per variable, from
-    the second moments of a built `keras.optimizers.Adam`, `InvariantAdam`
-    (v_hat = v / (1 - P_2) under a `scaling_rule`, else v / (1 - beta_2**t),
-    t updates), `UpdateAccumulationAdam` (t micro-steps: its v moves every
-    micro-batch) or the Adam a `GradientAccumulation` wraps.
+    """P^-1/2 = 1 / sqrt(sqrt(v_hat) + epsilon) from a built Adam's second moments.
+
+    v_hat = v / (1 - beta_2**t), t the updates (micro-steps for
+    `UpdateAccumulationAdam`), or v / (1 - P_2) under a `scaling_rule`.
 
     Args:
-        optimizer: one of the optimizers above, built (it has taken a step
-            or `build(variables)`).
+        optimizer: a built `keras.optimizers.Adam`, `InvariantAdam`,
+            `UpdateAccumulationAdam` or `GradientAccumulation` of Adam.
         epsilon: the epsilon added to sqrt(v_hat); default the optimizer's.
 
     Returns:
-        P^-1/2, one tensor per trainable variable, in the optimizer's order;
-        the `scale` of `preconditioned_sharpness`.
+        P^-1/2 per trainable variable: `preconditioned_sharpness`'s `scale`.
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     velocities = _compat.adam_velocities(optimizer)
@@ -147,14 +145,12 @@ def adam_preconditioner(optimizer: Any, epsilon: float | None = None) -> list[tf
     if getattr(optimizer, "scaling_rule", None) is not None and products:
         correction = 1 - ops.cast(products[1], "float32")
     else:
-        # t: the counter v moves with (`UpdateAccumulationAdam` names its
-        # own; Keras's Adam and `InvariantAdam` move v once per update).
+        # t: the counter v moves with (`UpdateAccumulationAdam` names its own).
         counter = getattr(optimizer, "_moments_counter", "iterations")
         t = ops.cast(getattr(optimizer, counter), "float32")
         correction = 1 - ops.power(float(optimizer.beta_2), t)
     epsilon = optimizer.epsilon if epsilon is None else epsilon
-    # keras.ops: this function (and so the "adam_preconditioned" noise
-    # estimate) runs on every backend; the rest of this module is TensorFlow.
+    # keras.ops: every backend (the "adam_preconditioned" noise estimate uses it).
     return [
         1 / ops.sqrt(ops.sqrt(ops.convert_to_tensor(v) / ops.cast(correction, v.dtype)) + epsilon)
         for v in velocities

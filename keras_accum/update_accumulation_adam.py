@@ -25,52 +25,29 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
     and every `steps` micro-steps :math:`\theta \leftarrow \theta - A`,
     :math:`A \leftarrow 0`.
 
-    Gradients within a window are all taken at the same (stale) theta: this
-    is Adam with a bounded delay of up to `steps - 1` micro-steps.
-
-    **Learning rate.** The applied step is the *sum* of `steps` Adam steps,
-    about `steps x learning_rate` in size. A learning rate tuned for plain
-    Adam at the micro-batch size transfers unchanged here as a
-    per-micro-batch rate; it is *not* a per-update rate, and should not be
-    scaled up with `steps`. A schedule is evaluated at the update count.
-
-    Memory: Adam's two moments plus one parameter-sized buffer A (none when
-    `steps=1`).
-
+    Adam with a bounded delay of up to `steps - 1` micro-steps. The applied
+    step is the *sum* of `steps` Adam steps: a learning rate tuned for plain
+    Adam at the micro-batch size is used unchanged, not scaled with `steps`.
     With `steps=1` on one replica this is `keras.optimizers.Adam`, bit for
-    bit, for float32, float16 and bfloat16 variables and under
-    mixed_float16, with one exception: an `Embedding` whose rows repeat
-    within a batch. Its gradient arrives as `tf.IndexedSlices`; Keras's
-    Adam squares each row before the rows of a token are summed, this
-    optimizer sums them first (the exact gradient of the batch) and equals
-    Keras's Adam given the dense gradient.
-
-    `nonfinite="skip_micro_batch"` leaves a non-finite micro-step out of the
-    moments (on all replicas, since they share them); `"skip_window"` also
-    drops the window's accumulated update A. `weight_decay` is decoupled and
-    applied once per update. Keras's `clipnorm`, `clipvalue` and
-    `global_clipnorm` clip each micro-step gradient (Adam runs per
-    micro-step); `use_ema` and variable constraints act once per update;
-    `overwrite_with_gradient` variables take the last micro-batch's gradient
-    at the window's end.
+    bit, for dense gradients. Memory: one buffer A beyond Adam's moments
+    (none when `steps=1`). See docs/ALGORITHMS.md and docs/guides/adam.md.
 
     Args:
         learning_rate: float, schedule (sees the update count) or callable.
         beta_1, beta_2, epsilon: as in `keras.optimizers.Adam`.
         steps: micro-steps per update: an integer >= 1 or a schedule
             (`keras_accum.PiecewiseSteps`, `keras_accum.AdaptiveSteps`).
-        nonfinite: `"skip_micro_batch"`, `"skip_window"`, `"raise"` or None.
-        weight_decay: optional decoupled weight decay.
+        nonfinite: `"skip_micro_batch"` (the micro-step is left out of the
+            moments), `"skip_window"` (A is dropped too), `"raise"` or None.
+        weight_decay: optional decoupled weight decay, once per update.
         state_dtype: the moments' dtype for a bfloat16 or float16 variable:
             "float32" (default) or None (the variable's own, as Keras's Adam).
-        flush_last_window: True: where `fit` ends inside a window, the
-            steps its micro-batches added to the buffer are applied then
-            (`flush()`); False (default): they wait, with a warning.
+        flush_last_window: True: where `fit` ends inside a window, A is
+            applied then (`flush()`); False (default): it waits, with a warning.
         name: optimizer name.
     """
 
-    # The counter whose value is t in v's bias correction 1 - beta_2**t: v
-    # moves every micro-batch (`sharpness.adam_preconditioner` reads it).
+    # t of v's bias correction 1 - beta_2**t (`sharpness.adam_preconditioner`).
     _moments_counter = "micro_step"
 
     _across_processes = "gradients"  # its moments see every micro-batch's mean
@@ -91,9 +68,8 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         # No buffer A when every window is one micro-step (plain Adam).
         buffered = schedules.steps_range(self.steps)[1] > 1
         names = ["momentum", "velocity"] + (["update"] if buffered else [])
-        # What Keras 3.10's `add_optimizer_variables` does (3.5-3.9 lack it):
-        # the slots interleaved per variable (the order saved files hold),
-        # None for an `overwrite_with_gradient` variable.
+        # Keras 3.10's `add_optimizer_variables` (3.5-3.9 lack it): slots interleaved
+        # per variable (the saved order), None for `overwrite_with_gradient`.
         slots = tuple([] for _ in names)
         for var in var_list:
             overwrite = getattr(var, "overwrite_with_gradient", False)
@@ -107,26 +83,21 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
 
     @staticmethod
     def changes(m, v, g, rate_1, rate_2):
-        """What one micro-step adds to Adam's moments, in Keras's form:
-        ((g - m)(1 - beta_1), (g**2 - v)(1 - beta_2)); `rate_i` = 1 - beta_i."""
+        """((g - m)(1 - beta_1), (g**2 - v)(1 - beta_2)); `rate_i` = 1 - beta_i."""
         return equations.adam_moment_changes(m, v, g, rate_1, rate_2)
 
     @staticmethod
     def step(m, v, alpha, epsilon):
-        """alpha_t m_t / (sqrt(v_t) + epsilon): the micro-step's Adam step,
-        added to A (or, with no buffer, subtracted from theta)."""
+        """alpha_t m_t / (sqrt(v_t) + epsilon): the micro-step's Adam step."""
         return equations.adam_step(m, v, alpha, epsilon)
 
     def alpha_dtype(self, dtype):
-        """The dtype alpha_t is computed in for moments of `dtype`: theirs
-        without a buffer A (Keras Adam: with `state_dtype=None`, in bfloat16
-        beta_2 = 0.999 rounds to 1 and alpha is 0, as there), float32 with
-        one."""
+        """alpha_t's dtype: the moments' without a buffer (as Keras's Adam),
+        else float32."""
         return dtype if self._updates is None else "float32"
 
     def alpha(self, count, dtype):
-        """alpha_t = lr sqrt(1 - beta_2**t) / (1 - beta_1**t) in `dtype`
-        (`count` = t >= 1)."""
+        """alpha_t = lr sqrt(1 - beta_2**t) / (1 - beta_1**t), `count` = t."""
         return self._adam_alpha(self.learning_rate, count, dtype)
 
     # -- how JAX and PyTorch write it (`keras_accum.drivers.portable`) ---------
@@ -143,7 +114,6 @@ class UpdateAccumulationAdam(drivers.UpdateAccumulationAdamForm, AdamFamily):
         velocities = [self._velocities[i] for i in indices]
         rates = (1 - self.beta_1, 1 - self.beta_2)
         kernels.adam_moments(momentums, velocities, grads, *rates, ok, self.changes)
-        # alpha_t, in the moments' dtype without a buffer (Keras Adam), else float32.
         count = ops.maximum(t, 1)
         alphas = {}  # alpha_t, once per dtype it is computed in
         for m in momentums:

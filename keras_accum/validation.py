@@ -32,8 +32,7 @@ from typing import Any
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
-    """`value` as an int >= `minimum` (bools refused; numpy integers
-    accepted), else ValueError."""
+    """`value` as an int >= `minimum` (numpy integers too, not bools), else ValueError."""
     if isinstance(value, bool) or not is_integer(value) or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
     return int(value)
@@ -60,10 +59,7 @@ def check_float(
     open_minimum: bool = False,
     open_maximum: bool = False,
 ) -> float:
-    """`value` as a finite float within the bounds, else ValueError.
-
-    The bounds are closed unless `open_minimum` / `open_maximum` is set.
-    """
+    """`value` as a finite float within the bounds (closed unless `open_*`), else ValueError."""
     if minimum is not None and maximum is not None:
         low = "(" if open_minimum else "["
         high = ")" if open_maximum else "]"
@@ -100,8 +96,7 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
 
 
 def check_rate(name: str, value: Any) -> Any:
-    """A learning rate or decay: a finite number >= 0, or a schedule,
-    callable, tensor or variable (checked where it is evaluated)."""
+    """A finite number >= 0, or a schedule, callable, tensor or variable (unchecked)."""
     if callable(value) or (hasattr(value, "dtype") and hasattr(value, "shape")):
         return value
     check_float(name, value, minimum=0.0)

@@ -1,22 +1,11 @@
 """What a micro-batch weighs: `apply(weight=...)` and `weigh_micro_batches`.
 
 `GradientAccumulation` averages a window's micro-batches weighted by their
-item (or token) counts, the exact big-batch mean. The custom loop passes
-each count as `optimizer.apply(grads, vars, weight=n)`. Under `model.fit`,
-Keras's `train_step` calls `apply` without one; `weigh_micro_batches(model)`
-makes the count reach `apply` all the same.
-
-How it travels under `model.fit`: the optimizer owns a replica-local
-variable (`GradientAccumulation.fit_items()`, one value per replica, not
-part of its saved state). `weigh_micro_batches` wraps the loss the model was
-compiled with (`model.compile(loss=...)`, which Keras's `compute_loss`
-calls with the micro-batch's targets, predictions and sample weights); the
-wrapper writes the denominator Keras divides that loss by into the
-variable, and `apply`, called later in the same step, reads it and resets
-it to `UNSET` (-1: a count of 0 is a real one, a micro-batch whose items
-all weigh zero). Nothing is set on the model's or the optimizer's methods, and
-nothing passes outside a variable (Keras's `LossScaleOptimizer` calls
-`apply` from threads of its own: a variable per replica is not per thread).
+item (or token) counts, the exact big-batch mean; a custom loop passes
+`optimizer.apply(grads, vars, weight=n)`. Under `model.fit`,
+`weigh_micro_batches(model)` wraps the compiled loss, which writes its
+denominator into the optimizer's `FitItems` for `apply` to take in the same
+step. See docs/guides/fit.md ("Reference").
 """
 
 import weakref
@@ -30,19 +19,15 @@ from keras_accum.validation import check_float
 
 
 class ReplicaItems:
-    """`apply(weight=ReplicaItems(n))`: n items (or tokens: the loss
-    denominator) on this replica, gradients in the model.fit convention
-    (this replica's mean gradient / replicas). n = 0 is a micro-batch whose
-    items all weigh zero (it adds nothing to the window); n < 0 (`UNSET`)
-    means "not recorded": the micro-batch then counts as one, as without
-    weighing."""
+    """`apply(weight=ReplicaItems(n))`: n items (the loss denominator) on this
+    replica, gradients in the model.fit convention (mean / replicas). n = 0
+    adds nothing to the window; n < 0 (`UNSET`, not recorded) counts as one."""
 
     def __init__(self, items):
         self.items = items
 
 
-# What `FitItems` holds when no loss recorded a count this step (a count is
-# >= 0: a micro-batch whose sample weights are all zero weighs 0 items).
+# What `FitItems` holds when no loss recorded a count this step (0 is a real count).
 UNSET = -1.0
 
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -81,11 +66,9 @@ def _reduction(model):
 
 
 def loss_denominator(reduction, y_pred, sample_weight):
-    """The number Keras divides the micro-batch's summed loss by: the sum of
-    the sample weights (times the Keras mask) for
-    `reduction="mean_with_sample_weight"`, the number of unmasked entries
-    when `y_pred` carries a mask, else the batch size (proportional to the
-    element count, which is all the weighting needs)."""
+    """The number Keras divides the micro-batch's summed loss by: the sample
+    weights' sum (times the mask) for `reduction="mean_with_sample_weight"`,
+    the unmasked entries under a Keras mask, else the batch size."""
     mask = None
     if reduction is not None and not isinstance(y_pred, (dict, list, tuple)):
         mask = _compat.keras_mask(y_pred)
@@ -115,26 +98,15 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     """Makes `model.fit` weight the window mean by each micro-batch's loss
     denominator.
 
-    Keras's `train_step` does not tell the optimizer what a batch's loss was
-    averaged over, so by default `GradientAccumulation` under `model.fit`
-    averages micro-batches equally: the mean of means, wrong when the last
-    batch of an epoch is short or when a token-mean loss
-    (`reduction="mean_with_sample_weight"` with padding masked by sample
-    weights, or a Keras mask) sees unequal token counts. After
-    `weigh_micro_batches(model)`, each replica passes the denominator Keras
-    divided its summed loss by (tokens with nonzero weight, items), and the
-    window mean is sum_r D_r g_r / sum_r D_r: exactly the big batch, on one
-    device or across replicas.
-
-    Call it after `model.compile` (any Sequential, Functional or subclassed
-    model), and again after every later `compile` or
-    `keras.models.load_model`: it wraps the loss of that compile (Keras
-    leaves no public hook between a step's loss and its `apply`; the
-    wrapped loss is the one place that sees the denominator, and `compile`
-    replaces it). A model whose own `compute_loss` does not use the
-    compiled loss is not weighed. Needs one loss for token means. With a
-    Keras optimizer (one update per batch, whose mean is already exact)
-    it changes nothing.
+    Without it `GradientAccumulation` under `model.fit` averages
+    micro-batches equally, which is wrong for a short last batch or a
+    token-mean loss. With it each micro-batch (or replica) r passes the
+    denominator D_r Keras divided its summed loss by (items, or tokens of
+    nonzero weight), and the window mean is sum_r D_r g_r / sum_r D_r, the
+    big batch's. Call it after `model.compile`, and again after every later
+    `compile` or `keras.models.load_model`: it wraps that compile's loss. A
+    model whose `compute_loss` skips the compiled loss is not weighed; a
+    Keras optimizer is left as it is. See docs/guides/fit.md.
 
     Args:
         model: a compiled Keras model whose optimizer is (or wraps, through
@@ -143,6 +115,11 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
 
     Returns:
         `model`, its compiled loss wrapped.
+
+    Raises:
+        ValueError: `model` is not compiled, its loss is not a mean over items
+            or tokens (or several token means), or its optimizer averages
+            micro-batches equally.
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"`model` must be a `keras.Model`. Received: model={model!r}")
@@ -156,8 +133,7 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     if not hasattr(optimizer, "takes_weights"):
-        # A Keras optimizer steps on every batch: its mean over the batch is
-        # already the exact one, and there is nothing to weigh.
+        # A Keras optimizer steps on every batch, whose mean is already exact.
         return model
     if not optimizer.takes_weights:
         raise ValueError(
@@ -172,21 +148,18 @@ def weigh_micro_batches(model: keras.Model) -> keras.Model:
     weighed = _WeighedLoss(compiled, reduction, items)
     _compat.set_compiled_loss(model, weighed)
     items.weighed_model = weakref.ref(model)
-    # Traced again, with the weighed loss, by the next `fit`: not here, where
-    # under JAX's `keras.distribution` it would fix the shardings of an
-    # optimizer `fit` has not built yet.
+    # Retraced by the next `fit`, not here (under JAX's `keras.distribution`
+    # that would fix the shardings of an optimizer not built yet).
     model.train_function = None
     return model
 
 
 class _WeighedLoss:
-    """The loss a model was compiled with (Keras's `CompileLoss`), which
-    also records each call's denominator in `items` (the optimizer's
-    `FitItems`). Every other attribute is the compiled loss's."""
+    """The compiled loss (Keras's `CompileLoss`), also recording each call's
+    denominator in `items` (the optimizer's `FitItems`)."""
 
     def __init__(self, compiled, reduction, items):
-        # `reduction`: that of the loss compiled (a later `compile` replaces
-        # this object, so it cannot change under it).
+        # `reduction` is fixed: a later `compile` replaces this object.
         self.compiled, self._reduction, self._items = compiled, reduction, items
 
     def __call__(self, y_true, y_pred, sample_weight=None, *args, **kwargs):
@@ -201,28 +174,21 @@ class _WeighedLoss:
 
 
 def _differentiated(loss):
-    """True when a JAX loss is being differentiated (`jax.value_and_grad` in
-    Keras's train step: an AD tracer, which carries a primal), False in an
-    evaluation step. Only a training step's count may reach the optimizer:
-    an evaluation's would outlive its trace."""
+    """True when a JAX loss is being differentiated (an AD tracer has a
+    primal): an evaluation step's count would outlive its trace."""
     return hasattr(loss, "primal")
 
 
 class FitItems:
-    """What `weigh_micro_batches` hands `GradientAccumulation.apply` under
-    `model.fit`: a replica-local float32 scalar (one value per replica,
-    created under the optimizer's strategy), written by the weighed loss
-    and taken, then reset to 0, by `apply` in the same step. Not part of
-    the optimizer's saved state."""
+    """The count the weighed loss hands `GradientAccumulation.apply` under
+    `model.fit`: a replica-local float32 scalar (under JAX a traced value),
+    taken and reset to `UNSET` by `apply` in the same step. Not saved."""
 
     def __init__(self):
-        # JAX: the count of the step being traced, a value of the same jitted
-        # train step (see `record`); no variable.
+        # JAX: the count of the train step being traced; no variable.
         self.traced = None
-        # The model whose weighed loss records here, weakly: after a later
-        # `compile` without weighing its loss records nothing, and the
-        # optimizer takes nothing (an evaluation's count left here must not
-        # weigh a training step).
+        # The model whose weighed loss records here (weakly): after a later
+        # `compile` without weighing, `take` gives nothing.
         self.weighed_model = lambda: None
         if _backend.BACKEND == "jax":
             self.variable = None
@@ -233,16 +199,8 @@ class FitItems:
         self.variable = _replicas.replica_scalar(UNSET, "fit_items")
 
     def record(self, items):
-        """Replica context: this replica's micro-batch weighs `items`.
-
-        Under JAX the loss runs inside the jitted train step, under
-        `jax.value_and_grad`, and the optimizer's `stateless_apply` after it
-        in the same trace: the count (a value of that trace, computed from
-        the batch's sample weights or mask, not from the weights being
-        differentiated) is handed over as it is and taken by `take` in the
-        same trace. Under `PerDeviceGradients` each device's loss records
-        its shard's count inside the per-device step, which hands `take`
-        the devices' counts, one per row (`DeviceRoute.train_step`)."""
+        """Replica context: this replica's micro-batch weighs `items` (under
+        JAX a value of the train step's trace, taken in the same trace)."""
         items = ops.cast(items, "float32")
         if self.variable is None:
             self.traced = items
@@ -269,15 +227,11 @@ class FitItems:
 
 
 def check_weight(weight):
-    """`apply(weight=...)` given (None means 1 there): a finite number >= 0
-    or a scalar tensor (its value checked when eager), or `ReplicaItems`.
+    """`apply(weight=...)` checked: a finite number >= 0, a scalar tensor
+    (checked when eager) or `ReplicaItems`, else ValueError.
 
-    0 is a micro-batch whose items all weigh zero (padding only): it adds
-    nothing to the window's weighted mean and still counts as a micro-step,
-    as under `weigh_micro_batches` and as a traced weight of 0; a window
-    whose weights add up to 0 steps with a zero mean gradient (see
-    `GradientAccumulation.means`). Negative, NaN, infinite and non-scalar
-    weights are refused.
+    0 adds nothing to the window's mean and still counts as a micro-step
+    (docs/guides/fit.md).
     """
     if isinstance(weight, ReplicaItems):
         return weight

@@ -1,29 +1,6 @@
-"""The JAX and PyTorch driver: `keras.ops`, the window's end a mask or a
-Python branch.
-
-TensorFlow's driver (`keras_accum.drivers.tensorflow`) enters cross-replica
-context and decides the window's end with a `cond`. Here there is one
-device's worth of state (JAX's `DataParallel` hands the optimizer the
-global gradient) and each optimizer's rule (`_fold`, `_window_ok`,
-`_update` of its class) runs as it is written, with the writes of
-`keras_accum.kernels`:
-
-* JAX traces the step (`stateless_apply`: a `StatelessScope` around
-  `apply`, traced once by `jit`): the window's start and end are boolean
-  tensors and every write of the update is `where(keep, new, old)`,
-  straight-line code.
-* PyTorch runs it eagerly: the flags are Python bools (`kernels.decided`),
-  and nothing of a window's end runs inside a window (a Python `if`, as
-  Keras's own accumulation does on PyTorch).
-
-`GradientAccumulation`'s update is another optimizer's step, too costly to
-compute on every micro-batch and throw away: under JAX it runs in a
-`lax.cond` (`ops.cond`) of the values `stateless_apply` returns, as Keras's
-`LossScaleOptimizer` does; under PyTorch in an `if` (`GradientAccumulationForm`).
-
-What TensorFlow alone offers (`tf.distribute`, sparse `IndexedSlices`
-gradients, XLA's resource kernels, the custom loop) is refused here in one
-line naming the backend.
+"""The JAX and PyTorch driver: each rule as written with `kernels`' writes;
+the window's end a `where` mask (JAX, traced) or a Python `if` (PyTorch).
+`GradientAccumulation`'s inner step runs in a `lax.cond` (JAX) or an `if`.
 """
 
 import contextlib
@@ -50,9 +27,7 @@ class Driver:
             )
 
     def _run_rule(self, pairs, overwrite, weight):
-        """One micro-batch through `apply` below; returns what a traced
-        window's end leaves to the caller (`GradientAccumulation`'s means
-        and keep flag under JAX), else None."""
+        """One micro-batch; returns GA's pending (means, keep) under JAX."""
         grads = [g for g, _ in pairs]
         if self.loss_scale_factor is not None:
             grads = [g / self.loss_scale_factor for g in grads]
@@ -65,15 +40,13 @@ class Driver:
         return None  # no tf.distribute strategy here
 
     def _processes(self):
-        """PyTorch processes of a `torch.distributed` group (1 without one),
-        asked once (`keras_accum.drivers.torch_processes`)."""
+        """PyTorch processes of the `torch.distributed` group, asked once."""
         if "_process_count" not in self.__dict__:
             self.__dict__["_process_count"] = torch_processes.count()
         return self.__dict__["_process_count"]
 
     def _flush_window(self):
-        """`flush`: the window's end now, eagerly, as `apply` ends one; then
-        the window's sums and bad count cleared."""
+        """`flush`: the window's end now, then its sums and bad count cleared."""
         with keras.name_scope(self.name, caller=self):
             end_window(self, _compat.trainable_variables(self), True)
         for variable in [*self._window_state(), self._window.bad]:
@@ -88,8 +61,7 @@ class GradientAccumulationForm:
     `lax.cond` of `stateless_apply` (JAX)."""
 
     def _step_inner(self, means, variables, keep):
-        # `means` may be a function (`PerDeviceGradients`: each device's
-        # sums, reduced only where the inner optimizer steps).
+        # `means` may be a function (`PerDeviceGradients`: reduced only here).
         if isinstance(keep, bool) or _backend.is_concrete(keep):
             if bool(keep):  # PyTorch, or JAX run eagerly
                 self.inner_optimizer.apply(means() if callable(means) else means, variables)
@@ -97,9 +69,8 @@ class GradientAccumulationForm:
         return means, keep  # traced: stepped in `stateless_apply`'s lax.cond
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables, weight=None):
-        """Keras's stateless step (JAX), with `apply`'s optional `weight`:
-        a jitted custom step passes each micro-batch's item or token count
-        here (a traced scalar is fine)."""
+        """Keras's stateless step (JAX), with `apply`'s optional `weight`
+        (a traced scalar is fine)."""
         if _backend.BACKEND != "jax":
             if weight is not None:
                 raise ValueError(
@@ -112,8 +83,8 @@ class GradientAccumulationForm:
 
 
 class InvariantAdamForm:
-    """`InvariantAdam` here: its rule as written; a warning under a
-    `keras.distribution` that splits the batch (`warn_data_parallel`)."""
+    """`InvariantAdam`: its rule; warns when `keras.distribution` splits
+    the batch."""
 
     def build(self, var_list):
         super().build(var_list)
@@ -126,9 +97,8 @@ class UpdateAccumulationAdamForm:
 
 
 def apply(optimizer, grads, variables, weight, overwrite):
-    """One micro-batch: screen, fold, count, and at a window's end update
-    (what the TensorFlow driver's `_merge_apply` does there). Returns what
-    `end_window` returns."""
+    """One micro-batch: screen, fold, count, and at a window's end update.
+    Returns what `end_window` returns."""
     policy = optimizer._nonfinite_policy
     if policy.raises and _backend.BACKEND == "jax":
         raise ValueError(
@@ -137,8 +107,7 @@ def apply(optimizer, grads, variables, weight, overwrite):
             "Received: nonfinite='raise'"
         )
     grads = [ops.convert_to_tensor(g) for g in grads]
-    # PyTorch, an int `steps`: the window's start and end from the count
-    # held in Python (`host_micro_step`), no read of the device.
+    # PyTorch, an int `steps`: the count held in Python, no device sync.
     state = optimizer._window
     step = host_micro_step(optimizer)
     if step is None:
@@ -153,7 +122,7 @@ def apply(optimizer, grads, variables, weight, overwrite):
     if policy.screens and not checks_sums_at_end(optimizer):
         ok = decided(kernels.finite(grads))
         if policy.raises:
-            if not bool(ok):  # eager (PyTorch): one line, as `nonfinite.explained` gives
+            if not bool(ok):  # eager (PyTorch)
                 step = int(ops.convert_to_numpy(state.micro_step)) + 1
                 raise nonfinite.NonFiniteGradientError(
                     f"{optimizer.name}: {nonfinite.MESSAGE} at micro-step {step}"
@@ -182,11 +151,9 @@ def apply(optimizer, grads, variables, weight, overwrite):
 
 
 def across_processes(optimizer, grads):
-    """A micro-batch's gradients under several PyTorch processes, as the
-    rule takes them (`optimizer._across_processes`): "sums" each process's
-    own (its window sums are all-reduced at the window's end), "parts" its
-    share g_r / processes (a micro-batch of the window, as a replica's),
-    "gradients" their mean over the processes (every micro-batch)."""
+    """Gradients under several PyTorch processes, by `_across_processes`:
+    "sums": as they are (window sums all-reduced at its end); "parts":
+    g_r / processes (each a micro-batch); "gradients": mean over processes."""
     kind = optimizer._across_processes
     if kind is None:
         raise ValueError(
@@ -202,11 +169,8 @@ def across_processes(optimizer, grads):
 
 
 def host_micro_step(optimizer):
-    """`micro_step` as a Python int where PyTorch runs the step eagerly
-    with an int `steps` (else None): held in Python since this driver last
-    wrote it, read from the device (a sync) only when something else wrote
-    it since (a load, a restore, `assign`); None inside a `StatelessScope`
-    or while `torch.compile` traces (the count would be symbolic there)."""
+    """`micro_step` as an int on eager PyTorch with an int `steps`, else
+    None; read from the device only after a write from elsewhere."""
     if not kernels.EAGER or not isinstance(optimizer.steps, int):
         return None
     if _compat.in_stateless_scope() or kernels.compiling():
@@ -219,10 +183,8 @@ def host_micro_step(optimizer):
 
 
 def checks_sums_at_end(optimizer):
-    """True when "skip_window" lets a NaN into the rule's window sums and
-    checks them once, at the window's end (eagerly, where the window's end
-    runs only at the end; traced, every micro-batch is screened, which fuses
-    into the fold)."""
+    """True when "skip_window" checks the window sums once at its end
+    (eager only; traced, the screen fuses into the fold)."""
     return (
         kernels.EAGER
         and optimizer._nonfinite_policy.drops_windows
@@ -231,10 +193,8 @@ def checks_sums_at_end(optimizer):
 
 
 def count_bad(optimizer, start, ok):
-    """A skipped micro-batch counted (`ok` False; under "skip_window" only
-    where the rule's sums would show it), and in the window's `window_bad`;
-    eagerly (Python bools) nothing is written for a good micro-batch inside
-    a window."""
+    """Counts a skipped micro-batch (`ok` False) and the window's bad ones;
+    eagerly, a good one inside a window writes nothing."""
     policy = optimizer._nonfinite_policy
     skips = policy.skips and not (policy.drops_windows and optimizer._checks_window_sums)
     state = optimizer._window
@@ -253,16 +213,13 @@ def count_bad(optimizer, start, ok):
 
 
 def end_window(optimizer, variables, boundary):
-    """The window's update where `boundary` holds and the window may be
-    applied; the drop counted where it may not. Returns what the rule's
-    `_update` returns where the inner optimizer steps (`_steps_inner`),
-    else None."""
+    """The window's update where `boundary` and `_window_ok` hold, else the
+    drop counted. Returns `_update`'s result under `_steps_inner`."""
     if boundary is False:
         return None  # eager, inside a window: nothing of the window's end runs
     processes = optimizer._processes()
     if processes > 1 and optimizer._across_processes != "gradients":
-        # PyTorch processes: the window's one all-reduce, before its checks
-        # (every process then applies, or drops, the same window).
+        # The window's one all-reduce, before the checks: all agree.
         torch_processes.sum_in_place(optimizer._process_sums() + [optimizer._window.bad])
     if checks_sums_at_end(optimizer):  # eager: a NaN of the window is in its sums
         window_ok = decided(
@@ -299,21 +256,16 @@ def end_window(optimizer, variables, boundary):
 
 
 def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variables, weight=None):
-    """`GradientAccumulation.stateless_apply` under JAX: the fold in a
-    `StatelessScope`, then the inner optimizer's stateless step in a
-    `lax.cond` whose other branch hands the values back unchanged."""
+    """GA's `stateless_apply` on JAX: the fold in a `StatelessScope`, the
+    inner stateless step in a `lax.cond`."""
     own = _compat.own_variables(optimizer)
     inner = optimizer.inner_optimizer
-    # Values, not variables: a `LossScaleOptimizer` hands in the variables
-    # themselves (read through its own scope), and a `lax.cond` branch
-    # must return arrays.
+    # Values: a `LossScaleOptimizer` hands in variables; `cond` needs arrays.
     optimizer_variables = [ops.convert_to_tensor(v) for v in optimizer_variables]
     trainable_variables = [ops.convert_to_tensor(v) for v in trainable_variables]
     mapping = list(zip(_compat.trainable_variables(optimizer), trainable_variables))
     mapping += list(zip(optimizer.variables, optimizer_variables))
     with keras.StatelessScope(state_mapping=mapping) as scope:
-        # (means, keep) from `GradientAccumulationForm._step_inner`: returned,
-        # not parked on the instance.
         pending = optimizer._run_rule(*optimizer._checked_pairs(grads, None, weight))
     if pending is not None:
         means, keep = pending
@@ -339,10 +291,7 @@ def stateless_inner_step(optimizer, optimizer_variables, grads, trainable_variab
 
 
 def _data_parallel_devices():
-    """Devices along the batch axis of the `keras.distribution` in scope
-    (1 without one): those a step's gradient is averaged over before the
-    optimizer sees it. A `ModelParallel` whose batch axis has one device
-    splits no batch."""
+    """Devices on the batch axis of the `keras.distribution` (1 without)."""
     distribution = keras.distribution.distribution()
     if distribution is None:
         return 1
@@ -354,11 +303,8 @@ def _data_parallel_devices():
 
 
 def warn_data_parallel(optimizer):
-    """Under `keras.distribution` with a batch split over several devices
-    the optimizer sees the gradient averaged over them: `InvariantAdam`
-    then squares one gradient per step, so kappa = steps, not steps x
-    devices as under `tf.distribute` (where each replica's gradient is a
-    micro-batch)."""
+    """Warns that kappa = steps (not steps x devices) when a
+    `keras.distribution` averages the gradient over devices."""
     devices = _data_parallel_devices()
     if devices > 1:
         warnings.warn(

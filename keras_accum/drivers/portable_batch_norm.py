@@ -1,10 +1,6 @@
-"""`keras_accum.layers.BatchNormalization` on JAX and PyTorch: the layer
-counts its windows itself, as the optimizer bounds them
-(`keras_accum.base.bounds`), and moves its moving statistics in the forward
-pass that ends a window, each write a select (no branch).
-
-The layer (`keras_accum.layers`) says what the window's statistics and the
-move are; this is how JAX and PyTorch follow the optimizer's windows.
+"""`layers.BatchNormalization` on JAX and PyTorch: the layer counts its
+windows (`base.bounds`) and moves its statistics in the forward pass that
+ends one, each write a select. See docs/BATCH_NORM.md.
 """
 
 import contextlib
@@ -26,17 +22,15 @@ class BatchNormalizationForm:
         return contextlib.nullcontext()  # one device's worth of state
 
     def _build_counters(self):
-        """The training calls so far, and the size and end micro-step of
-        the current window. Created after the sums, and only here:
-        TensorFlow's saved format is as before."""
+        """micro_step, window_steps, window_end: after the sums, and only
+        here (TensorFlow's saved format has none)."""
         with keras.name_scope(self.name, caller=self):
             counter = dict(initializer="zeros", shape=(), dtype=_backend.INT, trainable=False)
             for name in COUNTERS:
                 setattr(self, name, keras.Variable(name=name, **counter))
 
     def load_own_variables(self, store):
-        # A file saved on TensorFlow holds no window counters: they load at
-        # zero (the layer's next window starts at its next training call).
+        # A TensorFlow file has no counters: they load as zero.
         own = _compat.layer_own_variables(self)
         counters = [getattr(self, name) for name in COUNTERS if hasattr(self, name)]
         saved = len(store.keys())
@@ -64,22 +58,18 @@ class BatchNormalizationForm:
             )
 
     def _fold_micro_batch(self, inputs, mask, mean, variance, optimizer):
-        """JAX and PyTorch, in the training call: this micro-batch into the
-        sums, the call counted, and where it ends the window (as the
-        optimizer bounds it, `keras_accum.base.bounds`) the moving statistics
-        moved and the sums restarted, each write a select (no branch)."""
+        """The micro-batch into the sums; at the window's end the statistics
+        moved and the sums restarted (selects)."""
         channels = self.window_sum.shape[0]
         items = math.prod(inputs.shape) // channels
         terms = self._window_terms(inputs, mask, mean, variance, items)
-        # Under `PerDeviceGradients` (JAX), each device's terms are summed
-        # over the devices: the window's statistics are of all its items.
+        # Under `PerDeviceGradients` (JAX): summed over the devices.
         terms = per_device.summed_over_devices(terms)
         # S1 += n_i (mu_i - c); S2 += n_i (s_i^2 + (mu_i - c)^2); N += n_i
         sums = [self.window_sum, self.window_square_sum, self.window_count]
         total_sum, total_square_sum, total_count = [
             ops.convert_to_tensor(total) + term for total, term in zip(sums, terms)
         ]
-        # The window's bounds, as the optimizer's (`keras_accum.base.bounds`).
         step = ops.convert_to_tensor(self.micro_step)
         held = [ops.convert_to_tensor(self.window_end), ops.convert_to_tensor(self.window_steps)]
         steps = optimizer.steps

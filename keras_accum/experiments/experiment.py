@@ -43,6 +43,7 @@ import tensorflow as tf
 import keras_accum as ka
 from keras_accum import diagnostics, nonfinite, remat, training
 from keras_accum.experiments import child, data, models, optimizers, run_config, run_folder
+from keras_accum.experiments import fit_resume as fit
 from keras_accum.experiments.callbacks import AccumulationLogger, CSVLogger, SplitLabels
 from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config API)
     DEFAULTS,
@@ -51,7 +52,7 @@ from keras_accum.experiments.run_config import (  # noqa: F401 (the run's config
     resolve_config,
     validation_examples,
 )
-from keras_accum.training import atomic, fit
+from keras_accum.training import atomic
 
 
 def make_strategy(name):
@@ -124,7 +125,7 @@ def training_stream(config, global_micro_batch, start_batch, held_out=0):
 
 def latest_checkpoint(workdir):
     """(path, epochs done) of the newest intact epoch checkpoint of the run
-    folder, or (None, 0); see `keras_accum.training.fit.find_resume`."""
+    folder, or (None, 0); see `keras_accum.experiments.fit_resume.find_resume`."""
     point = fit.find_resume(pathlib.Path(workdir, "checkpoints"))
     return (pathlib.Path(point.path), point.epoch) if point else (None, 0)
 

@@ -1,21 +1,11 @@
-"""The custom training loop (library part: needs only TensorFlow and Keras).
-
-* `step.Trainer`: one compiled window (or micro-batch) step, evaluation and
-  checkpoints for one model: the *trainer*.
-* `controller.Controller` / `controller.train`: epochs, checkpoints, logs,
-  evaluation and resume around a `Trainer`: the *controller*.
-* `stream`: the resumable data stream; `losses`: per-item losses, metrics.
-* `checkpoints`: atomic, verified checkpoint files; `logs`: logs that
-  rewind with them; `fit`: the same for `model.fit` runs.
-* `distribute`: the strategy of this process, the chief, data sharding,
-  `WorkerLostError`.
-* `multiworker`: launch N local workers on 127.0.0.1
-  (`python -m keras_accum.training.multiworker`).
+"""The custom training loop (TensorFlow): `Trainer` runs one compiled window,
+`Controller` / `train` the epochs, checkpoints, logs and resume around it.
+See docs/guides/custom_loop.md.
 """
 
 from keras_accum import _backend
 
-# tf.distribute, tf.function and tf.train.Checkpoint: one line elsewhere.
+# tf.distribute, tf.function, tf.train.Checkpoint: one-line error elsewhere.
 _backend.require_tensorflow("The custom loop (`keras_accum.training`)")
 
 from keras_accum.training.checkpoints import CheckpointError  # noqa: E402

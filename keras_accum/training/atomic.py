@@ -1,23 +1,9 @@
 """Atomic file writes: a kill at any moment leaves the old file or the new one.
 
-A file is written under a hidden temporary name in its own folder
-(`.<name>.tmp-<pid>`), fsynced, renamed to its final name (a rename within a
-folder is atomic) and the folder is fsynced. Leftovers of an interrupted
-write keep the hidden name; `remove_partial` deletes them.
-
-Every whole-file write of a run folder goes through here: checkpoints
-(`checkpoints.py`), rewound logs (`logs.py`), and the harness's config.json,
-final.json, metrics, plots and study and benchmark outputs.
-
-Testing hook: the environment variable `KERAS_ACCUM_CHECKPOINT_HOOK` acts on
-every write committed here, counted from 1 in each process:
-
-* `sleep:<seconds>`: pause between writing the temporary file and renaming
-  it (a window for an outside SIGKILL);
-* `kill:<n>`: truncate the n-th temporary file to half its size and SIGKILL
-  the process: a kill in the middle of a write;
-* `after:<n>`: SIGKILL the process just after the n-th write is complete: a
-  kill between two writes.
+Every whole-file write of a run folder goes through here. A file is written
+as `.<name>.tmp-<pid>` in its folder, fsynced, renamed and the folder
+fsynced. The testing hook `KERAS_ACCUM_CHECKPOINT_HOOK` (`sleep:<s>`,
+`kill:<n>`, `after:<n>`) is described in docs/guides/custom_loop.md.
 """
 
 import contextlib
@@ -64,8 +50,7 @@ def remove_partial(directory):
 
 
 def _hook(path, done):
-    """The testing hook (see the module docstring): before the rename of the
-    write of `path` (done=False) and after it (done=True)."""
+    """The testing hook, before (done=False) and after the rename of `path`."""
     action, _, arg = os.environ.get(HOOK, "").partition(":")
     if done:
         if action == "after" and _writes[0] == int(arg):
@@ -81,8 +66,7 @@ def _hook(path, done):
 
 
 def commit(temporary, final):
-    """fsync `temporary`, rename it to `final`, fsync the folder (with the
-    testing hook around the rename)."""
+    """fsync `temporary`, rename it to `final`, fsync the folder."""
     fsync_file(temporary)
     _hook(temporary, done=False)
     os.replace(temporary, final)
@@ -92,10 +76,8 @@ def commit(temporary, final):
 
 @contextlib.contextmanager
 def replacing(path, mode="w", **kwargs):
-    """`with replacing(path) as f:` writes `f` under a temporary name and,
-    when the block ends without an error, commits it to `path`; on an error
-    the temporary file is removed and `path` is left as it was. `mode` and
-    `kwargs` go to `open` ("w", "wb", newline="", ...)."""
+    """`with replacing(path) as f:` writes a temporary file, committed to `path`
+    if the block succeeds and removed if not; `mode`, `kwargs` go to `open`."""
     temporary = temporary_name(path)
     try:
         with open(temporary, mode, **kwargs) as f:

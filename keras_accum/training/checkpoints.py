@@ -1,31 +1,7 @@
-"""Atomic, verified checkpoint files and logs that rewind with them.
-
-Every file is written under a temporary name in its own folder, fsynced,
-checked, and only then renamed to its final name (a rename within a folder is
-atomic), and the folder is fsynced. A process killed at any moment therefore
-leaves either the previous checkpoint or the new one complete, never a
-truncated file under a checkpoint's name; leftovers of an interrupted write
-are hidden names (`.<name>.tmp-<pid>...`) that the next save or resume
-deletes. Older checkpoints are deleted only after the new one is complete.
-
-On resume, the newest checkpoint that passes verification is used; the ones
-skipped (truncated by a crash or disk, or foreign files under a checkpoint's
-name) are named in a warning. When none passes, `CheckpointError` names them.
-
-Two formats:
-
-* `.keras` files (the `model.fit` path): `save_keras` / `newest_keras`. The
-  zip also carries `keras_accum_state.json`, the caller's extra state (data
-  position, callbacks' state) saved atomically with the weights.
-* `tf.train.Checkpoint` prefixes `ckpt-<n>` (the custom loop):
-  `write_tf` / `newest_tf`. The data files are renamed first and the index
-  file last, so a checkpoint exists only once all of it does.
-
-Logs rewind with the checkpoint: see `keras_accum.training.logs`.
-
-The file helpers (temporary names, fsync, commit, the testing hook
-`KERAS_ACCUM_CHECKPOINT_HOOK`) are in `keras_accum.training.atomic`; their
-names stay importable from here for one release.
+"""Atomic, verified checkpoint files: `.keras` files for `model.fit`
+(`save_keras` / `newest_keras`) and `tf.train.Checkpoint` prefixes `ckpt-<n>`
+for the custom loop (`write_tf` / `newest_tf`). Resume takes the newest that
+verifies and warns about newer ones skipped. See docs/guides/custom_loop.md.
 """
 
 import glob
@@ -60,9 +36,8 @@ class CheckpointError(ValueError):
 
 
 def _newest_intact(candidates, verify, what):
-    """The first of `candidates` (newest first) that `verify` accepts, or
-    None when there are none; warns about the ones skipped and raises
-    `CheckpointError` naming them all when none is intact."""
+    """The first of `candidates` (newest first) that `verify` accepts, or None
+    if there are none; warns about those skipped, raises if all are."""
     skipped = []
     for path in candidates:
         try:
@@ -86,8 +61,7 @@ def _newest_intact(candidates, verify, what):
 
 
 def _replica_local(variables):
-    """name -> per-replica components of the sync-on-read variables among
-    `variables` (keras or tf variables), on one worker."""
+    """name -> per-replica components of the sync-on-read `variables`."""
     found = {}
     for variable in variables:
         value = getattr(variable, "value", variable)
@@ -100,14 +74,8 @@ def _replica_local(variables):
 
 
 def replica_arrays(variables):
-    """Each replica's part of the replica-local (sync-on-read) variables
-    among `variables`, stacked: name -> array [replicas, ...].
-
-    A checkpoint stores such a variable as the sum of its parts and a
-    restore splits that sum evenly; the parts then add up to the same total
-    but round differently afterwards. Saving the parts as well makes a
-    resume bit-exact. Single-worker strategies only: under a multi-worker
-    strategy the other workers' parts are not here (returns {})."""
+    """name -> [replicas, ...] array of each replica's part of the sync-on-read
+    `variables`, for a bit-exact resume; {} under a multi-worker strategy."""
     found = _replica_local(variables)
     for variable in variables:
         value = getattr(variable, "value", variable)
@@ -118,8 +86,8 @@ def replica_arrays(variables):
 
 
 def assign_replica_arrays(variables, arrays):
-    """Assigns the parts saved by `replica_arrays` back, where the variable
-    and the replica count match; returns the number of variables set."""
+    """Assigns `replica_arrays` parts back where name and replica count match;
+    returns the number of variables set."""
     assigned = 0
     for name, parts in _replica_local(variables).items():
         saved = arrays.get(name)
@@ -132,8 +100,8 @@ def assign_replica_arrays(variables, arrays):
 
 
 def save_replica_arrays(path, variables):
-    """Writes `replica_arrays(variables)` to the .npz file `path` (not
-    atomically: the caller commits it); returns False when there are none."""
+    """Writes `replica_arrays(variables)` to `path` (.npz, not committed);
+    False when there are none."""
     arrays = replica_arrays(variables)
     if not arrays:
         return False
@@ -146,8 +114,7 @@ def save_replica_arrays(path, variables):
 
 
 def verify_keras(path):
-    """Raises `CheckpointError` naming `path` unless it is a complete
-    `.keras` archive (a zip with intact members, config and weights)."""
+    """`CheckpointError` unless `path` is a complete `.keras` zip."""
     try:
         with zipfile.ZipFile(path) as archive:
             names = set(archive.namelist())
@@ -166,10 +133,8 @@ def verify_keras(path):
 
 
 def save_keras(model, path, state=None):
-    """Saves `model` (with its optimizer) to the `.keras` file `path`
-    atomically. The archive also holds `state` (JSON-serialisable) and each
-    replica's part of the optimizer's replica-local variables (see
-    `replica_arrays`), restored by `load_keras`."""
+    """Saves `model` to `path` atomically, with `state` (JSON) and the
+    optimizer's `replica_arrays` in the archive."""
     # Keras insists on the .keras suffix, so the temporary name keeps it.
     temporary = temporary_name(path, ".keras")
     model.save(temporary)
@@ -187,9 +152,8 @@ def save_keras(model, path, state=None):
 
 
 def load_keras(path):
-    """(model, state) from a `.keras` checkpoint written by `save_keras`
-    (or by Keras: state None). Call inside the strategy's scope. A file
-    Keras cannot load raises `CheckpointError` naming it."""
+    """(model, state) from `save_keras`'s file (state None for a plain Keras
+    file); call inside the strategy's scope."""
     verify_keras(path)
     try:
         model = keras.models.load_model(path)
@@ -205,8 +169,7 @@ def load_keras(path):
 
 
 def newest_keras(directory, pattern="epoch_*.keras"):
-    """The newest intact checkpoint matching `pattern` in `directory` (by
-    name, newest last), or None; see `_newest_intact`."""
+    """The newest (by name) intact `pattern` file in `directory`, or None."""
     remove_partial(directory)
     found = sorted(glob.glob(os.path.join(glob.escape(str(directory)), pattern)), reverse=True)
     return _newest_intact(found, verify_keras, ".keras checkpoint")
@@ -226,9 +189,7 @@ def tf_checkpoints(directory):
 
 
 def verify_tf(prefix):
-    """Reads every tensor of the checkpoint `prefix` (checksums included)
-    and its replica parts if any; raises `CheckpointError` naming it when
-    that fails."""
+    """Reads every tensor of `prefix` and its replica parts; `CheckpointError` if that fails."""
     try:
         reader = tf.train.load_checkpoint(prefix)
         for name in reader.get_variable_to_shape_map():
@@ -251,9 +212,8 @@ def newest_tf(directory):
 
 
 def restore_tf(checkpoint, prefix, variables=()):
-    """Restores `checkpoint` from `prefix` (all of it must match: another
-    model or optimizer raises `CheckpointError` naming the file), then the
-    replica parts of `variables` saved beside it."""
+    """Restores `checkpoint` from `prefix` (`CheckpointError` unless all of it
+    matches), then the replica parts of `variables`."""
     try:
         checkpoint.restore(prefix).assert_consumed()
     except AssertionError as error:
@@ -267,15 +227,8 @@ def restore_tf(checkpoint, prefix, variables=()):
 
 
 def write_tf(checkpoint, directory, number, max_to_keep=3, variables=()):
-    """Writes `checkpoint` as `directory/ckpt-<number>` atomically and keeps
-    the newest `max_to_keep`; returns the prefix. Each replica's part of the
-    replica-local `variables` goes beside it (`ckpt-<n>.replicas.npz`).
-
-    The checkpoint goes to a hidden temporary prefix; its data files are
-    fsynced and renamed first, its index last (the index is what makes a
-    checkpoint visible). The `checkpoint` state file is updated too, so
-    `tf.train.latest_checkpoint` works on the folder.
-    """
+    """Writes `directory/ckpt-<number>` atomically (data files first, the
+    index last), keeps the newest `max_to_keep`; returns the prefix."""
     os.makedirs(directory, exist_ok=True)
     remove_partial(directory)
     prefix = os.path.join(str(directory), f"ckpt-{number}")

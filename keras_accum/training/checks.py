@@ -1,6 +1,4 @@
-"""Argument checks of the loop, before anything runs: the strategy's scope,
-the split of a global batch into replicas and micro-batches, the run's
-arguments. Each problem is one ValueError naming the argument."""
+"""The loop's argument checks, before anything runs: one ValueError each."""
 
 import keras
 
@@ -10,18 +8,15 @@ from keras_accum.validation import check_int
 
 
 def steps_per_update(optimizer):
-    """Micro-batches per replica per update: a Keras optimizer updates on
-    every micro-batch, so it gets one micro-batch per global batch."""
+    """Micro-batches per replica per update (1 for a plain Keras optimizer)."""
     if isinstance(optimizer, base.AccumulationOptimizer):
-        # None for a schedule (keras_accum.PiecewiseSteps, ...): windows of
-        # varying size are fed one micro-batch at a time (`micro_batch_step`).
+        # None for a schedule: fed one micro-batch at a time (`micro_batch_step`).
         return optimizer.steps if isinstance(optimizer.steps, int) else None
     return 1
 
 
 def check_scope(strategy, model, optimizer):
-    """`optimizer` and `model` created (and the model built) inside
-    `strategy.scope()`, else a one-line ValueError."""
+    """ValueError unless `optimizer` and the built `model` come from `strategy.scope()`."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(
             f"`optimizer` must be a keras Optimizer. Received: optimizer={optimizer!r}"
@@ -50,8 +45,7 @@ def check_scope(strategy, model, optimizer):
 
 
 def check_split(global_batch, replicas, opt_steps, steps, micro_batch_size):
-    """Validates `steps` / `micro_batch_size` against the batch and the
-    optimizer's window; returns the micro-batch size per replica."""
+    """Checks `steps` / `micro_batch_size`; returns the micro-batch size per replica."""
     if steps is not None and micro_batch_size is not None:
         raise ValueError(
             "Give `steps` or `micro_batch_size`, not both (one follows from "
@@ -97,8 +91,7 @@ def check_split(global_batch, replicas, opt_steps, steps, micro_batch_size):
 
 
 def check_run(optimizer, dataset, strategy, epochs, steps, micro_batch_size, every, verbose):
-    """`train`'s arguments checked before anything runs: (global batch size,
-    micro-batches per update, micro-batch size per replica)."""
+    """Checks `train`'s arguments; returns (global batch, steps, micro-batch size)."""
     check_int("epochs", epochs)
     check_int("checkpoint_every", every)
     if verbose not in (0, 1):

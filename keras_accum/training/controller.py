@@ -1,12 +1,5 @@
-"""The controller: the outer loop around `Trainer` (epochs, checkpoints,
-logs, evaluation, resume), orbit style: `Controller` is a small class and
-`train()` a thin function over it.
-
-Resume is exact for the bookkeeping too: the checkpoint holds the running
-sums of the current epoch's logs, and on restart log.jsonl and the
-TensorBoard events rewind to the checkpoint (`keras_accum.training.logs`),
-so a killed and resumed run logs exactly the records, with the same numbers,
-as an uninterrupted one (the `time` and `examples_per_second` fields aside).
+"""The controller: epochs, checkpoints, logs, evaluation and resume around a
+`Trainer` (`Controller`, and `train` over it). See docs/guides/custom_loop.md.
 """
 
 from __future__ import annotations
@@ -33,8 +26,7 @@ NOT_SCALARS = ("time", "epoch", "batches", "batch_in_epoch")
 
 
 class _Log:
-    """log.jsonl and TensorBoard scalars in the workdir (chief only),
-    rewound on resume to the checkpoint at (`batches`, `epoch`)."""
+    """log.jsonl and TensorBoard scalars (chief), rewound to (`batches`, `epoch`)."""
 
     def __init__(self, workdir, chief, batches, epoch):
         self.path, self.writer, self.kept = None, tf.summary.create_noop_writer(), []
@@ -44,8 +36,7 @@ class _Log:
         self.kept = run_logs.rewind_jsonl(
             self.path, lambda r: r.get("batches", 0) <= batches and r.get("epoch", 0) <= epoch
         )
-        # The epoch-end scalars at step `batches` belong to the checkpoint
-        # only when its epoch-end record does.
+        # Epoch-end scalars at step `batches` are kept only with their record.
         ended = any(r.get("epoch_end") and r.get("batches") == batches for r in self.kept)
 
         def keep(tag, step, _):
@@ -71,8 +62,8 @@ class _Log:
 class Controller:
     """Epochs, checkpoints, logs, evaluation and resume around a `Trainer`.
 
-    `resume()` restores the newest intact checkpoint of `workdir`, `run(
-    dataset, epochs)` trains to the end and returns the history.
+    `resume()` restores the newest intact checkpoint of `workdir`;
+    `run(dataset, epochs, global_batch)` trains and returns the history.
 
     Args:
         trainer: the `Trainer` of the model, optimizer and loss.
@@ -109,8 +100,7 @@ class Controller:
         self.saved = 0
 
     def resume(self):
-        """Restores the newest intact checkpoint (if any), says which, and
-        rewinds the logs to it. Returns its path or None."""
+        """Restores the newest intact checkpoint, rewinds the logs; returns its path or None."""
         trainer = self.trainer
         path = self.directory and trainer.restore(self.directory)
         if path and self.verbose:
@@ -214,8 +204,7 @@ class Controller:
             self.warned = True
 
     def write_config(self, **fields):
-        """config.json in the workdir (chief), written atomically: `fields`
-        and what the trainer holds (model, optimizer, metrics, position)."""
+        """Writes `fields` and the trainer's setup to config.json (chief, atomically)."""
         if not (self.workdir and self.chief):
             return
         trainer = self.trainer
@@ -254,56 +243,41 @@ def train(
 ) -> dict[str, list[float]]:
     """Trains `model` for `epochs` passes over `dataset`; one update per batch.
 
-    Each global batch of `dataset` is one window: it is split over the
-    replicas and, on each, into the optimizer's `steps` micro-batches, all in
-    one compiled step (see the module docstring). With a `workdir`, a run
-    that is killed resumes from its last checkpoint when called again with
-    the same arguments, and ends with the same weights as an uninterrupted
-    run (for a deterministic `dataset`).
+    Each global batch is one window, split over the replicas and on each into
+    the optimizer's `steps` micro-batches, in one compiled step. With a
+    `workdir`, a killed run called again resumes to the weights of an
+    uninterrupted one (deterministic `dataset`). See docs/guides/custom_loop.md.
 
     Args:
         model: a built Keras model created inside `strategy.scope()`.
         optimizer: a keras_accum optimizer (or any Keras optimizer: one
             update per global batch), created inside `strategy.scope()`.
         loss_fn: (y_true, y_pred) -> per-item losses, a keras Loss or name.
-        dataset: a finite `tf.data.Dataset` of GLOBAL batches (x, y) or
-            (x, y, sample_weight); sample_weight may be a token mask of the
-            loss's shape. Must be deterministic for exact resumption.
+        dataset: a finite, deterministic `tf.data.Dataset` of GLOBAL batches
+            (x, y) or (x, y, sample_weight); sample_weight may be a token mask.
         epochs: passes over `dataset`.
-        steps: micro-batches per replica per update. The optimizer's `steps`
-            decides it; this argument (or `micro_batch_size`, not both) only
-            states it, and a mismatch is an error.
-        micro_batch_size: items per micro-batch on one replica; must divide
-            the per-replica batch into the optimizer's `steps` parts.
+        steps: micro-batches per replica per update; only states the
+            optimizer's `steps` (a mismatch is an error).
+        micro_batch_size: items per micro-batch per replica (or `steps`).
         strategy: a `tf.distribute` strategy; default: the one in scope.
-        workdir: directory for checkpoints/, log.jsonl, tensorboard/ and
-            config.json (written by the chief; every worker restores from
-            it, so it must be shared); None: nothing written or resumed.
-        checkpoint_every: save every this many updates (windows), and at
-            the end of each epoch.
+        workdir: shared folder for checkpoints/, log.jsonl, tensorboard/ and
+            config.json (written by the chief); None: nothing written or resumed.
+        checkpoint_every: save every this many updates, and at each epoch end.
         metrics: names ("accuracy", ...) or per-item functions, logged as
-            window means; loss, learning rate, updates and skipped
-            micro-batches are always logged.
+            window means beside loss, learning rate, updates and skips.
         last_batch: "weighted" (train a short last batch, weighted by its
             item count) or "drop" (skip batches smaller than the first).
-        eval_dataset: optional dataset of global batches evaluated at the end
-            of each epoch (keys prefixed with ``val_``).
-        callbacks: callables `fn(logs)` run on every worker after each
-            window, `logs` a dict of floats (loss, batches, epoch, ...).
+        eval_dataset: global batches evaluated at each epoch end (``val_`` keys).
+        callbacks: `fn(logs)` run on every worker after each window.
         verbose: 1 for a progress bar on the chief, 0 for none.
-        resume_hint: how to resume (e.g. the command), added to the
-            `WorkerLostError` a lost peer raises.
-        remat: "none", "full" or "larger_than": recompute `model`'s layers
-            in the backward pass: less activation memory for about one more
-            forward pass. The loop trains `keras_accum.remat.rematerialize(
-            model, remat)`, which shares `model`'s variables, so `model`
-            ends trained. The weights, checkpoints and resume are those of
-            the run without it.
+        resume_hint: how to resume, added to a lost peer's `WorkerLostError`.
+        remat: "none", "full" or "larger_than": trains
+            `keras_accum.remat.rematerialize(model, remat)` (less activation
+            memory, same variables, weights and checkpoints).
 
     Returns:
-        A dict name -> list of per-epoch means (over all the windows of that
-        epoch, also across a resume), with the evaluation results; on the
-        chief of a resumed run it includes the epochs before the resume.
+        name -> per-epoch means (with evaluation results; on the chief of a
+        resumed run, the epochs before the resume too).
     """
     strategy = strategy or tf.distribute.get_strategy()
     global_batch, opt_steps, micro = checks.check_run(
@@ -326,8 +300,7 @@ def train(
         callbacks=callbacks,
         verbose=verbose,
     )
-    # Steps, saves, restores and evaluations all communicate: a dead peer
-    # can surface in any of them.
+    # Steps, saves, restores and evaluations all communicate: a lost peer can surface anywhere.
     with peer_errors(resume_hint):
         controller.resume()
         split = {"steps": opt_steps, "micro_batch_size": micro, "global_batch_size": global_batch}

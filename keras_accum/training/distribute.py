@@ -1,5 +1,4 @@
-"""Distribution helpers: the strategy of this process, the chief, data
-sharding for multi-worker input, and the error a lost peer raises."""
+"""The strategy of this process, the chief, data sharding, and lost peers."""
 
 import ctypes
 import json
@@ -13,16 +12,9 @@ from keras_accum import _compat
 
 PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
 
-# The peer watch (multi-worker runs of `strategy_from_environment`): every
-# PROBE_INTERVAL s each other worker is asked for its status (a GetStatus RPC
-# to its TF server, answered by C++ threads whatever its Python does). A
-# worker is lost after 2 refused probes in a row (its process died: about
-# 1 s) or 3 that timed out (PROBE_TIMEOUT s each: its machine froze or
-# vanished, about 7.5 s). So a healthy worker may be as busy as it likes (a
-# long step, checkpoint or evaluation), but one stopped for 7.5 s or more
-# (SIGSTOP, a debugger, swapping) counts as lost. Once lost, the error is
-# raised RAISE_AFTER s later in a main thread that did not meet a failed
-# collective by itself (it was tracing, building the model, writing).
+# The peer watch (docs/guides/reliability.md): probe each peer every
+# PROBE_INTERVAL s; lost after 2 refused or 3 timed-out (PROBE_TIMEOUT) probes
+# in a row; then raise in a busy main thread RAISE_AFTER s later.
 PROBE_INTERVAL = 0.5
 PROBE_TIMEOUT = 2.0
 RAISE_AFTER = 1.0
@@ -33,9 +25,7 @@ class WorkerLostError(RuntimeError):
 
 
 class _Watched:
-    """The open `peer_errors` scopes of this process (their resume hints),
-    and the watch that guards them (when `strategy_from_environment` made
-    a multi-worker strategy)."""
+    """The open `peer_errors` scopes' resume hints, and the peer watch if any."""
 
     lock = threading.Lock()
     hints: list = []
@@ -51,15 +41,9 @@ def _lost_message(cause, hint):
 
 
 class peer_errors:  # noqa: N801 (a context manager, used like a function)
-    """Turns a lost peer into `WorkerLostError`, whose message ends with
-    `resume_hint` (how to resume) when given.
-
-    A failed collective (`PEER_ERRORS`) becomes one. Under the peer watch of
-    `strategy_from_environment`, a lost worker also interrupts this worker
-    wherever it is inside the scope (tracing, a checkpoint, Python code),
-    and the outermost scope ends with one collective that all workers pass
-    together, so a worker that finished is never mistaken for a lost one.
-    """
+    """Turns a failed collective or lost peer into `WorkerLostError` (ending
+    with `resume_hint`); the outermost scope ends with one collective all
+    workers pass, so a finished worker is never taken for a lost one."""
 
     def __init__(self, resume_hint: str | None = None):
         self.resume_hint = resume_hint
@@ -88,8 +72,7 @@ class peer_errors:  # noqa: N801 (a context manager, used like a function)
             isinstance(error, PEER_ERRORS) or (lost and isinstance(error, Exception))
         ):
             return False
-        # Once the watch lost a worker, whatever fails here is a consequence
-        # (e.g. the watch's error met a collective's in TF's C++ layer).
+        # Once the watch lost a worker, whatever fails here is a consequence.
         message = lost or str(error).strip()
         cause = message.splitlines()[0] if message else type(error).__name__
         raise WorkerLostError(_lost_message(cause, self.resume_hint)) from error
@@ -105,9 +88,8 @@ class _PeerLost(WorkerLostError):
 
 
 class _PeerWatch:
-    """A daemon thread probing the other workers (see PROBE_INTERVAL); when
-    one is lost it aborts this worker's collectives and, inside a
-    `peer_errors` scope, raises `WorkerLostError` in the main thread."""
+    """A daemon thread probing the peers; on a loss it aborts the collectives
+    and raises `WorkerLostError` in the main thread inside `peer_errors`."""
 
     def __init__(self, strategy, peers):
         self.strategy, self.peers = strategy, list(peers)
@@ -138,9 +120,7 @@ class _PeerWatch:
                     self.lost = f"{peer} is lost ({type(error).__name__}: {first})"
                     _compat.eager_context().abort_collective_ops(tf.errors.UNAVAILABLE, self.lost)
                     break
-        # A main thread in a collective raises by itself at once; one in
-        # other work (tracing, a checkpoint, Python) gets the error raised
-        # there, again if something swallowed it.
+        # A main thread outside a collective gets the error raised (again if swallowed).
         time.sleep(RAISE_AFTER)
         while True:
             with _Watched.lock:
@@ -154,8 +134,7 @@ class _PeerWatch:
             time.sleep(0.2)
 
     def disarm(self):
-        """Drops a WorkerLostError not yet raised in the main thread (the
-        caller holds `_Watched.lock` and leaves the last scope)."""
+        """Drops a pending WorkerLostError (the caller holds `_Watched.lock`)."""
         if self.raised_at is not None:
             _set_async_exc(None)
 
@@ -171,8 +150,7 @@ class _PeerWatch:
 
 
 def _set_async_exc(exception):
-    """Raises `exception` (a class; None cancels) in the main thread at its
-    next Python instruction."""
+    """Raises `exception` (a class; None cancels) in the main thread."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(threading.main_thread().ident),
         ctypes.py_object(exception) if exception is not None else None,
@@ -191,11 +169,7 @@ def _peers(cluster, task):
 
 
 def check_tf_config(text: str | None) -> dict:
-    """The parsed TF_CONFIG of a multi-worker run ({} when unset).
-
-    It must be a JSON object with `cluster` ({job: ["host:port", ...]}) and
-    `task` ({"type": a job of the cluster, "index": an index into it}).
-    """
+    """The parsed TF_CONFIG ({} when unset): `cluster` and a `task` within it."""
     if not text:
         return {}
     example = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
@@ -230,8 +204,7 @@ def check_tf_config(text: str | None) -> dict:
 
 
 def multi_worker_environment() -> bool:
-    """True when TF_CONFIG names more than one chief or worker task
-    (ValueError, one line, for a malformed TF_CONFIG)."""
+    """True when TF_CONFIG names more than one chief or worker task."""
     cluster = check_tf_config(os.environ.get("TF_CONFIG")).get("cluster", {})
     return sum(len(cluster.get(k, ())) for k in ("chief", "worker")) > 1
 
@@ -239,25 +212,17 @@ def multi_worker_environment() -> bool:
 def strategy_from_environment(collective_timeout: float | None = None) -> tf.distribute.Strategy:
     """The strategy this process should use.
 
-    `MultiWorkerMirroredStrategy` when TF_CONFIG names more than one task,
-    `MirroredStrategy` on several GPUs, else the default strategy.
-
-    Multi-worker: a thread watches the other workers (see PROBE_INTERVAL)
-    and, inside `peer_errors` (as in `train`), a lost worker stops this one
-    with `WorkerLostError` within a few seconds, wherever it is. TF's own
-    coordination service also aborts collectives once a worker misses its
-    heartbeats (10 s). `collective_timeout` (seconds) also bounds each
-    collective, which catches a peer that hangs while alive (TF spends one
-    thread per collective on it, so keep it for debugging or set it well
-    above the slowest step, checkpoint and evaluation).
+    `MultiWorkerMirroredStrategy` when TF_CONFIG names more than one task
+    (a peer watch then stops this worker with `WorkerLostError` inside
+    `peer_errors`), `MirroredStrategy` on several GPUs, else the default.
+    Build the model after, in its scope. See docs/guides/custom_loop.md.
 
     Args:
-        collective_timeout: seconds after which a collective fails, or None
-            (no bound).
+        collective_timeout: seconds after which a collective fails, or None.
+            Costs a thread per collective: for debugging.
 
     Returns:
-        The `tf.distribute.Strategy`, created (call it before building the
-        model, and build the model in its scope).
+        The `tf.distribute.Strategy`.
     """
     if multi_worker_environment():
         config = check_tf_config(os.environ["TF_CONFIG"])
@@ -280,15 +245,13 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
         strategy: the `tf.distribute` strategy of this process.
 
     Returns:
-        The strategy's `extended.should_checkpoint`: True on the chief, and
-        in a strategy of one worker.
+        `strategy.extended.should_checkpoint`: True on the chief or a lone worker.
     """
     return bool(getattr(strategy.extended, "should_checkpoint", True))
 
 
 def data_sharded(dataset):
-    """Multi-worker: every worker reads the whole pipeline and keeps its
-    replicas' part of each global batch (unless the user chose a policy)."""
+    """`dataset` sharded by DATA, unless it sets its own auto-shard policy."""
     default = tf.data.Options().experimental_distribute.auto_shard_policy
     if dataset.options().experimental_distribute.auto_shard_policy != default:
         return dataset

@@ -1,9 +1,6 @@
-"""Logs that rewind with the checkpoint.
-
-On resume, `rewind_csv`, `rewind_jsonl` and `rewind_events` keep the rows a
-log had when the checkpoint was written and drop the rest (also a partial
-last row left by a kill), so after the resumed run a log holds exactly the
-rows of an uninterrupted one. Each rewrite is atomic.
+"""Logs that rewind with the checkpoint: `rewind_csv`, `rewind_jsonl` and
+`rewind_events` keep the rows written before it (not a partial last one),
+atomically.
 """
 
 import csv
@@ -17,8 +14,7 @@ from keras_accum.training.atomic import atomic_write_text, commit, temporary_nam
 
 
 def rewind_csv(path, keep):
-    """Keeps the header and the complete rows of the CSV file `path` for
-    which `keep(row)` (a dict) is true; rewrites it atomically."""
+    """Keeps the header and the complete rows where `keep(row dict)` holds."""
     if not os.path.exists(path):
         return
     with open(path, newline="") as f:
@@ -50,8 +46,7 @@ def read_jsonl(path):
 
 
 def rewind_jsonl(path, keep):
-    """Keeps the records of the JSON-lines file `path` for which
-    `keep(record)` is true; rewrites it atomically; returns them."""
+    """Keeps and returns the records of `path` where `keep(record)` holds."""
     kept = [r for r in read_jsonl(path) if keep(r)]
     if os.path.exists(path):
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -68,10 +63,8 @@ def _events(path):
 
 
 def rewind_events(logdir, keep):
-    """Rewrites the TensorBoard event files of `logdir` (not its
-    subfolders) as one file holding the summary values for which
-    `keep(tag, step, occurrence)` is true (`occurrence` counts the earlier
-    values of that tag, from 0), plus the first file's other events."""
+    """Rewrites `logdir`'s event files as one: the values where `keep(tag,
+    step, occurrence)` holds (occurrence from 0), and the first file's other events."""
     files = sorted(glob.glob(os.path.join(glob.escape(str(logdir)), "*tfevents*")))
     files = [f for f in files if not os.path.basename(f).startswith(".")]
     if not files:

@@ -58,9 +58,7 @@ def _accuracy(y_true, y_pred):
 
 
 def resolve_metrics(metrics):
-    """(name, per-item function) pairs. Keras metrics that are means of a
-    per-item function (MeanMetricWrapper: accuracies, mae, ...) are used
-    through that function; the loop keeps its own replica-local sums."""
+    """(name, per-item function) pairs; a `MeanMetricWrapper` gives its function."""
     resolved = []
     for metric in metrics:
         if metric in ("accuracy", "acc"):

@@ -1,22 +1,11 @@
 """Run a MultiWorkerMirroredStrategy job as N local processes on 127.0.0.1.
 
-For trying multi-worker training on one machine:
-
     python -m keras_accum.training.multiworker --num_workers 2 -- \\
         python my_train.py --workdir /tmp/run
 
-starts the command twice, each with a TF_CONFIG naming both workers on free
-local ports (worker 0 is the chief), and returns when all have exited. In the
-command, `keras_accum.training.strategy_from_environment()` then gives a
-`MultiWorkerMirroredStrategy`.
-
-A worker that dies must not leave the others hanging. Two mechanisms bound
-that: each worker watches the others (`strategy_from_environment`), and
-inside `keras_accum.training.distribute.peer_errors` (as in `train` and
-scripts/train.py) a lost worker stops the others with
-`keras_accum.training.WorkerLostError` within seconds; and the launcher
-kills any worker still running `grace_seconds` after another one failed,
-then raises `WorkerFailedError` naming the first failure.
+starts the command N times with TF_CONFIG on free local ports (worker 0 is
+the chief) and waits; a failed worker's peers are killed `grace_seconds`
+later and `WorkerFailedError` names it. See docs/guides/custom_loop.md.
 """
 
 import argparse
@@ -35,9 +24,7 @@ class WorkerFailedError(RuntimeError):
 
 
 def free_ports(count, host="127.0.0.1"):
-    """`count` distinct ports that were free a moment ago (all sockets are
-    held open together, so they differ; another program may still take one
-    before the workers bind it)."""
+    """`count` distinct ports free a moment ago (another program may take one)."""
     sockets = []
     try:
         for _ in range(count):
@@ -58,19 +45,15 @@ def tf_config(addresses, index):
 
 
 class LocalCluster:
-    """N processes of `argv`, each with its TF_CONFIG; a context manager that
-    kills whatever is still running on exit.
+    """N processes of `argv` with their TF_CONFIG; on exit, kills any still running.
 
     Args:
         num_workers: number of processes (>= 1).
         argv: the command, e.g. `[sys.executable, "train.py", "--flag"]`.
         env: extra environment variables for every worker.
-        worker_env: {index: variables} for single workers (e.g. a test
-            hook for one of them).
-        log_dir: where `worker_<i>.log` (stdout and stderr) go; default a new
-            temporary directory.
-        grace_seconds: how long the others may keep running after a worker
-            failed before they are killed.
+        worker_env: {index: variables} for single workers.
+        log_dir: folder of `worker_<i>.log` (stdout and stderr); default: new.
+        grace_seconds: how long the others may run on after a worker failed.
     """
 
     def __init__(
@@ -112,9 +95,8 @@ class LocalCluster:
             self.processes[index].send_signal(sig)
 
     def wait(self, timeout=None):
-        """Waits for all workers; returns their exit codes. Raises
-        `WorkerFailedError` when one fails (the rest are killed after
-        `grace_seconds`) or when `timeout` seconds pass (all are killed)."""
+        """Returns the exit codes; `WorkerFailedError` if one fails (the rest
+        are killed after `grace_seconds`) or after `timeout` s (all killed)."""
         start, failed_at, first_failure = time.monotonic(), None, None
         while any(p.poll() is None for p in self.processes):
             now = time.monotonic()
@@ -132,8 +114,7 @@ class LocalCluster:
             time.sleep(0.1)
         codes = [p.returncode for p in self.processes]
         if first_failure is None and any(codes):
-            # All had exited before we looked: a worker killed by a signal is
-            # more likely the cause than one that exited with an error.
+            # All exited before we looked: blame a signal before an error.
             first_failure = min(
                 (i for i, c in enumerate(codes) if c), key=lambda i: (codes[i] >= 0, i)
             )
@@ -162,11 +143,8 @@ class LocalCluster:
 def launch_local_workers(
     num_workers, argv, *, env=None, log_dir=None, timeout=None, grace_seconds=30.0
 ):
-    """Runs `argv` as `num_workers` local workers and waits for them.
-
-    Returns the exit codes (all 0), or raises `WorkerFailedError`; see
-    `LocalCluster` for the arguments.
-    """
+    """Runs `argv` as `num_workers` local workers; returns the exit codes
+    (all 0) or raises `WorkerFailedError`. Arguments as `LocalCluster`'s."""
     with LocalCluster(
         num_workers, argv, env=env, log_dir=log_dir, grace_seconds=grace_seconds
     ) as cluster:

@@ -1,15 +1,6 @@
-"""The resumable data stream: global batches, replayed to a position.
-
-`tf.distribute` iterators cannot be checkpointed, so a checkpoint stores a
-position (batches trained plus end-of-epoch markers passed) and a restart
-replays the pipeline up to there:
-`dataset.concatenate(end_marker).repeat(epochs).skip(position)`. Skipped
-batches are read and discarded, so this is exact for any deterministic
-pipeline (shuffles with a fixed seed, `reshuffle_each_iteration` included:
-the same iterator is replayed) and costs re-reading the data already seen.
-The position is counted by the compiled step itself, in variables, when it
-consumes a batch: a distributed iterator that pre-fetches elements ahead of
-the step cannot make it run ahead.
+"""The resumable data stream: global batches, replayed to a position
+(batches trained plus end-of-epoch markers passed) by reading and discarding
+them. See docs/guides/custom_loop.md.
 """
 
 import tensorflow as tf
@@ -41,8 +32,7 @@ def peek_batch_size(dataset):
         The first batch's size, as a Python int.
 
     Raises:
-        ValueError: `dataset` is not a `tf.data.Dataset`, is infinite or
-            is empty.
+        ValueError: `dataset` is not a finite, non-empty `tf.data.Dataset`.
     """
     if not isinstance(dataset, tf.data.Dataset):
         raise ValueError(
@@ -78,9 +68,8 @@ def _end_marker(dataset):
 
 
 def replay(dataset, strategy, *, position, epochs, full_batch=None):
-    """The distributed stream of `epochs` passes over `dataset` (an end
-    marker after each), from `position` on. Empty batches are dropped, and
-    with `full_batch` the batches of another size too."""
+    """`epochs` passes over `dataset`, distributed, an end marker after each,
+    from `position` on; empty batches (and sizes other than `full_batch`) dropped."""
     dataset = dataset.filter(lambda *b: batch_size(b) > 0)
     if full_batch is not None:
         dataset = dataset.filter(lambda *b: batch_size(b) == full_batch)

@@ -1,62 +1,8 @@
-"""The Trainer: one compiled step per window, orbit style.
-
-`Trainer` owns one step and nothing else (`train_step`, `micro_batch_step`,
-`evaluate`, `save`, `restore`); the outer loop that drives it (epochs,
-checkpoints, logs, resume) is `keras_accum.training.train`, in
-`controller.py`. Everything runs under a `tf.distribute` strategy: the
-default one (one device), `MirroredStrategy` or `MultiWorkerMirroredStrategy`
-(see `strategy_from_environment` and `keras_accum.training.multiworker`).
-
-One call of `Trainer.train_step` is one *window*, i.e. one update: a global
-batch of B items is distributed over R replicas
-(`strategy.experimental_distribute_dataset`), each replica splits its share
-into `steps` micro-batches and loops over them inside the graph
-(`tf.range`), calling `optimizer.apply` once per micro-batch. The loop over
-micro-batches is in cross-replica context around `strategy.run`, so the
-optimizer's `merge_call` is never nested in a control-flow body.
-
-Design choices:
-
-* Loss scaling. Each replica passes the gradient of its summed per-item loss
-  divided by the *global* item count of that micro-step (sum of sample
-  weights, i.e. unmasked tokens, when a mask is given). Summed over replicas
-  this is the gradient of the global micro-batch mean (the Keras convention
-  the optimizers expect), and with `weight=` that count
-  `GradientAccumulation` weights micro-batches by their true size. The counts
-  of all `steps` micro-batches are summed over replicas by ONE all-reduce of a
-  small vector at the start of the window.
-* Short batches. A replica's share is split into `steps` parts as evenly as
-  possible (sizes differ by at most one; no padding). With
-  `last_batch="weighted"` a short last batch of an epoch is trained, and
-  `GradientAccumulation` weights it by its true item count: exactly one step
-  of the inner optimizer on that batch. `UpdateAccumulationAdam` and
-  `InvariantAdam` take no weights, so their unequal micro-batches count
-  equally (a warning says so); `last_batch="drop"` skips short batches.
-* Data position: the counters `batches` and `epoch` advance inside the
-  compiled step, and a restart replays the stream to them (see
-  `keras_accum.training.stream`).
-* Multi-worker input. Data is sharded by DATA: every worker runs the whole
-  pipeline and keeps its replicas' part of each global batch, so B items per
-  step are the same items as on one machine.
-* Checkpoints hold the model, the optimizer (its accumulators, moments and
-  counters, and each replica's part of its replica-local variables), the
-  model's variable list (Keras keeps Dropout's SeedGenerator state there;
-  the loop itself draws no random numbers) and the data counters. They are
-  written atomically and verified on restore (`keras_accum.training.
-  checkpoints`). Every worker saves (reading replica-local state is a
-  collective); the chief writes to the workdir, the others to a temporary
-  directory deleted after. `micro_step` lets a checkpoint fall inside a
-  window.
-* Communication per window: one all-reduce of the micro-batch counts, one of
-  the logs (loss and metric sums), plus the optimizer's own
-  (`GradientAccumulation`: one gradient all-reduce per window).
-* BatchNorm: Keras's layer normalizes with, and moves its moving statistics
-  towards, each micro-batch. `keras_accum.layers.BatchNormalization` moves
-  them once per window, to the window's statistics: the Trainer attaches
-  the model's such layers to its optimizer (`keras_accum.layers.attach`).
-
-The step function is traced once: its only argument is the iterator and all
-counters live in variables.
+"""The Trainer: one compiled step per window (orbit style); the outer loop is
+`controller.py`. One `train_step` splits a global batch over the replicas and
+on each into `steps` micro-batches, one `optimizer.apply` each, in a graph
+loop traced once. Loss scaling, short batches, checkpoints: see
+docs/guides/custom_loop.md.
 """
 
 from __future__ import annotations
@@ -79,8 +25,7 @@ from keras_accum.training.distribute import data_sharded, is_chief
 from keras_accum.training.losses import resolve_loss, resolve_metrics, weighted
 from keras_accum.training.stream import batch_size, peek_batch_size, replay, split_batch
 
-#: What `train` and `Trainer` do with a short last batch: "weighted" trains
-#: it weighted by its true size, "drop" leaves it out.
+#: Short last batch policies: "weighted" (trained, weighted by its size) or "drop".
 LAST_BATCH_POLICIES = ("weighted", "drop")
 
 
@@ -89,38 +34,24 @@ class Trainer:
 
     Args:
         model: a built Keras model, created inside `strategy.scope()`.
-        optimizer: a keras_accum optimizer (a window is its `steps`
-            micro-batches per replica) or any Keras optimizer (one update per
-            global batch), created inside `strategy.scope()`; built here if
-            it is not yet.
+        optimizer: a keras_accum optimizer (a window: `steps` micro-batches
+            per replica) or any Keras optimizer (one update per global batch),
+            created inside `strategy.scope()`.
         loss_fn: (y_true, y_pred) -> per-item losses, a `keras.losses.Loss`
-            (its unreduced `call` is used) or a loss name. Losses of higher
-            rank than the sample weight are averaged over the extra axes.
+            (unreduced) or a loss name.
         strategy: the `tf.distribute` strategy; default: the one in scope.
-        metrics: names ("accuracy", "mae", ...) or per-item functions; each
-            is logged as its sample-weighted mean over the window.
-        last_batch: "weighted" or "drop", see the module docstring.
-        remat: rematerialization of `model`'s layers, one of
-            `keras_accum.remat.MODES`: "none" trains `model` as it is; any
-            other mode trains `keras_accum.remat.rematerialize(model,
-            remat)` (the `model` attribute), a new model sharing `model`'s
-            layers and variables, so `model` ends with the trained weights.
-            Checkpoints hold `model` as given: the same as without remat.
+        metrics: names ("accuracy", "mae", ...) or per-item functions, each
+            logged as its sample-weighted window mean.
+        last_batch: one of `LAST_BATCH_POLICIES`.
+        remat: one of `keras_accum.remat.MODES`; not "none": trains
+            `rematerialize(model, remat)` (the `model` attribute), which
+            shares `model`'s variables; checkpoints hold `model` as given.
 
-    Compiled functions (`tf.function`, traced once), each taking an iterator
-    over `distribute(dataset)` and returning a dict of scalar logs:
-
-    * `train_step(iterator)`: one window. The next global batch is split
-      into `steps` micro-batches per replica; one `optimizer.apply` each.
-    * `micro_batch_step(iterator)`: the next element is ONE micro-batch per
-      replica (one `apply`); with a dataset of global micro-batches a window
-      then spans `steps` calls, and `save` may fall inside it (the
-      optimizer's accumulators are checkpointed).
-
-    Attributes: `steps`, `batches` (non-empty dataset elements trained),
-    `epoch` (completed epochs), `batch_in_epoch`, `checkpoint` (model,
-    optimizer with its accumulators and counters, model variables incl.
-    RNG states, data position).
+    `train_step(iterator)` (one window) and `micro_batch_step(iterator)` (one
+    micro-batch per replica; a window then spans `steps` calls and `save` may
+    fall inside it) are `tf.function`s over `distribute(dataset)` returning
+    scalar logs. Counters: `batches` (non-empty elements trained), `epoch`,
+    `batch_in_epoch`; `checkpoint` holds them with model and optimizer.
     """
 
     def __init__(
@@ -144,8 +75,7 @@ class Trainer:
         remat_lib.check_mode(remat, "remat")
         checks.check_scope(self.strategy, model, optimizer)
         self.model, self.optimizer = model, optimizer
-        # Its keras_accum BatchNormalization layers follow this optimizer's
-        # windows (no compiled optimizer tells them here).
+        # Its keras_accum BatchNormalization layers follow this optimizer's windows.
         layers_lib.attach(model, optimizer)
         if remat != "none":
             # In the scope: a compiled model's copy is compiled (its metrics).
@@ -165,8 +95,7 @@ class Trainer:
             self.batches = tf.Variable(0, name="batches", **counter)
             self.epoch = tf.Variable(0, name="epoch", **counter)
             self.batch_in_epoch = tf.Variable(0, name="batch_in_epoch", **counter)
-            # Replica-local running sums of the window's logs (loss, weight,
-            # metrics): updated without communication, reduced once.
+            # Replica-local sums of the window's logs, reduced once per window.
             self._sums = tf.Variable(
                 tf.zeros([2 + len(self._metric_fns)]),
                 trainable=False,
@@ -175,12 +104,10 @@ class Trainer:
                 name="log_sums",
             )
         self.checkpoint = tf.train.Checkpoint(
-            # `model` as given, not its rematerialized copy (the same
-            # variables): the checkpoint does not depend on `remat`.
+            # `model` as given: the checkpoint does not depend on `remat`.
             model=model,
             optimizer=optimizer,
-            # A Keras model does not expose its SeedGenerator states (Dropout
-            # RNG) to tf.train.Checkpoint; its variable list does.
+            # Dropout's SeedGenerator states are reachable only through this list.
             model_variables=list(model.variables),
             batches=self.batches,
             epoch=self.epoch,
@@ -199,12 +126,8 @@ class Trainer:
     def distribute(
         self, dataset: tf.data.Dataset, *, epochs: int = 1, global_batch_size: int | None = None
     ) -> tf.distribute.DistributedDataset:
-        """The distributed stream of `epochs` passes over `dataset`, resumed
-        after the batches already trained (`self.batches`, `self.epoch`).
-
-        `global_batch_size` (the size of full batches) is only needed with
-        `last_batch="drop"`; it is read from the first batch when omitted.
-        """
+        """The distributed stream of `epochs` passes over `dataset` from `position`;
+        `global_batch_size` (for "drop") defaults to the first batch's."""
         full = None
         if self.last_batch == "drop":
             full = global_batch_size or peek_batch_size(
@@ -221,8 +144,7 @@ class Trainer:
 
     @property
     def position(self):
-        """Stream elements consumed: batches trained plus one end-of-epoch
-        marker per completed epoch (the checkpoint number)."""
+        """Stream elements consumed (batches plus epoch markers): the checkpoint number."""
         return int(self.batches.numpy()) + int(self.epoch.numpy())
 
     # -- the step -------------------------------------------------------------
@@ -271,8 +193,8 @@ class Trainer:
         return logs
 
     def _count(self, batch, parts):
-        """Replica context: per part, the global item count (sum of sample
-        weights when given), then items in the batch; one all-reduce."""
+        """Replica context: global item counts per part (sample weight sums),
+        then the batch's items; one all-reduce."""
         _, _, sample_weight = split_batch(batch)
         n = batch_size(batch)
         bounds = (tf.range(parts + 1) * n) // parts
@@ -298,9 +220,8 @@ class Trainer:
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
             sums = self._sums_of(y, y_pred, sample_weight)
-            # Summed loss / GLOBAL count of this micro-step: summed over the
-            # replicas this is the gradient of the global micro-batch mean,
-            # the convention the optimizers (and their all-reduce SUM) use.
+            # Summed loss / GLOBAL count: summed over replicas, the global mean's
+            # gradient, the convention the optimizers (all-reduce SUM) use.
             loss = tf.math.divide_no_nan(sums[0], count)
             if model.losses:
                 replicas = self.strategy.num_replicas_in_sync
@@ -322,8 +243,7 @@ class Trainer:
         )
 
     def _reduce_logs(self):
-        """Replica context: this replica's sums plus its skipped micro-batch
-        count (replica-local), summed over replicas in one all-reduce."""
+        """Replica context: log sums and skipped micro-batches, one all-reduce."""
         skipped = getattr(self.optimizer, "skipped_micro_batches", None)
         skipped = 0.0 if skipped is None else tf.cast(skipped.value, tf.float32)
         local = tf.concat([tf.convert_to_tensor(self._sums), [skipped]], 0)
@@ -341,8 +261,7 @@ class Trainer:
         return self.strategy.experimental_local_results(result)[0]
 
     def evaluate(self, dataset: tf.data.Dataset) -> dict[str, float]:
-        """Sample-weighted mean loss and metrics over `dataset` (global
-        batches, as for training). Runs on every worker."""
+        """Sample-weighted mean loss and metrics over global batches (every worker)."""
         iterator = iter(self.strategy.experimental_distribute_dataset(data_sharded(dataset)))
         total = np.zeros(2 + len(self._metric_fns))
         while True:
@@ -357,11 +276,8 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------
 
     def save(self, directory: str, max_to_keep: int = 3) -> str:
-        """Saves model, optimizer and data position atomically as
-        `directory/ckpt-<position>` (see `position`) and keeps the newest
-        `max_to_keep`. Every worker must call it (reading the replica-local
-        optimizer state is a collective); only the chief writes to
-        `directory`, the others to a temporary one deleted after."""
+        """Saves `directory/ckpt-<position>` atomically, keeping `max_to_keep`;
+        every worker calls it (a collective), only the chief keeps the files."""
         chief = is_chief(self.strategy)
         target = directory if chief else tempfile.mkdtemp(prefix="ckpt_worker")
         path = checkpoints.write_tf(
@@ -372,11 +288,8 @@ class Trainer:
         return path
 
     def restore(self, directory: str) -> str | None:
-        """Restores the newest intact checkpoint in `directory`, if any;
-        returns its path or None. Newer unusable ones are named in a
-        warning; when none is intact, or the checkpoint does not match the
-        model and optimizer (another architecture or `steps`),
-        `checkpoints.CheckpointError` names the file."""
+        """Restores the newest intact checkpoint in `directory`; returns its path
+        or None. `CheckpointError` if none is intact or it does not match."""
         path = checkpoints.newest_tf(directory)
         if path is not None:
             checkpoints.restore_tf(self.checkpoint, path, self.optimizer.variables)

@@ -1,30 +1,8 @@
-"""The TensorFlow driver: one micro-batch per `apply`, the window's end a
-`cond` decided in cross-replica context.
-
-The route of one call:
-
-1. `_drive` (replica context, as Keras's `train_step` and a custom
-   `strategy.run` loop call `apply`) enters cross-replica context with
-   `merge_call`, so that the window boundary is decided there: a `cond`
-   whose branch needs a sync point cannot live in replica context (the
-   crash of Keras's own `gradient_accumulation_steps` under
-   MirroredStrategy); Keras's `LossScaleOptimizer` does the same.
-2. `_tf_accumulate` folds the micro-batch into the optimizer state; by
-   default each replica runs the optimizer's `_tf_fold` on its own
-   replica-local state (no communication).
-3. The micro-step counter advances; at a boundary `_tf_update` changes the
-   model variables and `iterations` advances by one
-   (`_execution.at_window_end` decides how the boundary runs: a branch, or
-   under XLA a kept select); the callbacks of `on_window_end` run there too.
-
-What each optimizer does on this route (replica-local sums and the one
-reduction per window, sparse rows, one compiled kernel per replica) is its
-form in this package (`gradient_accumulation.py`, `invariant_adam.py`,
-`update_accumulation_adam.py`), a mixin the optimizer's class takes when
-TensorFlow runs: the rule (the optimizer's own module, `keras.ops`) says
-what is computed, the form how TensorFlow computes it, as Keras keeps
-`optimizers/adam.py` and `backend/torch/optimizers/torch_adam.py`. Every
-cross-replica verb is in `keras_accum._replicas`.
+"""The TensorFlow driver: `apply` enters cross-replica context once
+(`merge_call`: a synchronising `cond` in replica context crashes), folds per
+replica (`_tf_fold`), and decides the window's end there
+(`_execution.at_window_end`). Each optimizer's form overrides the `_tf_*`
+hooks. See docs/ARCHITECTURE.md, "How a micro-batch flows".
 """
 
 import keras
@@ -65,9 +43,8 @@ class Driver:
             _replicas.merge(self._merge_apply, grads, [v for _, v in pairs], weight, overwrite)
 
     def _check_strategy(self):
-        """The strategy in scope must be the one this optimizer (and one it
-        wraps) was created under, else TensorFlow fails later, naming
-        neither."""
+        """Refuses a strategy other than the optimizers' own (else TensorFlow
+        fails later, naming neither)."""
         strategy = tf.distribute.get_strategy()
         for optimizer in [self, *self._wrapped_optimizers()]:
             created = _compat.optimizer_strategy(optimizer)
@@ -81,10 +58,8 @@ class Driver:
                 )
 
     def _flush_window(self):
-        """`flush`: the window's end now, eagerly, in cross-replica context
-        (its reads are totals over the replicas), and `on_window_end`'s
-        callbacks, as `_merge_apply` runs them; then the window's sums and
-        bad count cleared."""
+        """`flush`: the window's end and its callbacks now (cross-replica),
+        then its sums and bad count cleared."""
         variables = _compat.trainable_variables(self)
         with self._creation_scope(), keras.name_scope(self.name, caller=self):
             self._end_window(variables)
@@ -97,8 +72,7 @@ class Driver:
         return 1  # tf.distribute's replicas are `_replicas.count()`
 
     def _creation_scope(self):
-        """Where state the optimizer creates later must be created: the
-        scope of the strategy it was created under."""
+        """The scope of the optimizer's strategy, for state created later."""
         return _compat.optimizer_strategy(self).scope()
 
     def _merge_apply(self, grads, trainable_variables, weight, overwrite):
@@ -123,8 +97,8 @@ class Driver:
         _execution.at_window_end(boundary, end, every_step=self.steps == 1)
 
     def _overwrite_with_gradients(self, pairs, boundary):
-        """`overwrite_with_gradient` variables take the gradient of the
-        window's last micro-batch at the boundary (scalars, no cond)."""
+        """`overwrite_with_gradient` variables take the window's last
+        gradient at the boundary (a select)."""
         for grad, variable in pairs:
 
             def overwrite(var, grad):
@@ -134,14 +108,12 @@ class Driver:
             _replicas.update_each([variable], overwrite, grad)
 
     def _end_window(self, trainable_variables, boundary=None):
-        """The window's update (or its drop). With `boundary` (a boolean
-        tensor, under XLA on one replica) it runs on every micro-step and
-        its writes are kept only where `boundary` holds."""
+        """The window's update (or drop); with `boundary` (XLA, one
+        replica) on every micro-step, writes kept where it holds."""
         window, window_ok = self._tf_read_window(trainable_variables)
 
         def update(writes=self):
-            # `writes`: what the update writes its slots and variables with
-            # (this optimizer's `assign*`, or their kept form under a select).
+            # `writes`: this optimizer's `assign*`, or their kept form.
             self._tf_update(trainable_variables, window, writes)
             self._finish_update(trainable_variables)
             _compat.update_counter(self).assign_add(1)
@@ -175,9 +147,8 @@ class Driver:
             _replicas.assign_total(counters.bad, restart)
 
     def _finish_update(self, variables):
-        """After an update, in Keras's order: EMA of the weights (and its
-        periodic overwrite), then each variable's constraint. Nothing when
-        the update is another optimizer's step (it does both itself)."""
+        """After an update, in Keras's order: EMA, then constraints (unless
+        `_steps_inner`)."""
         if self._steps_inner:
             return
         if self.use_ema:
@@ -194,38 +165,29 @@ class Driver:
         """`_execution.screen` of this optimizer (replica context)."""
         return _execution.screen(self, grads, mask)
 
-    # -- what a form may fill in; by default the rule runs as written ---------
+    # -- a form's hooks; by default the rule runs as written -----------------
 
     def _tf_accumulate(self, grads, variables, weight, start):
-        """Cross-replica: folds one micro-batch in. By default each replica
-        runs `_tf_fold(grads, variables, weight, start)` on its own share."""
+        """Cross-replica: folds one micro-batch in, `_tf_fold` per replica."""
         _replicas.for_each_replica(self._tf_fold, grads, variables, weight, start)
 
     def _tf_fold(self, grads, variables, weight, start):
-        """Replica context: the rule's own `_fold` of this replica's share
-        of the mean gradient into its replica-local slots (no
-        communication; a read of a slot at the window's end, in
-        cross-replica context, is the total over replicas). A non-finite
-        micro-batch comes as zeros, with `ok` False."""
+        """Replica context: the rule's `_fold` of this replica's share into
+        its replica-local slots; a non-finite one as zeros, `ok` False."""
         grads, ok = self._screen([_execution.dense(g) for g in grads])
         self._fold(grads, variables, weight, start, True if ok is None else ok)
 
     def _tf_read_window(self, variables):
-        """(window, ok) at the boundary (cross-replica): totals read once,
-        handed to `_tf_update`, and a boolean tensor saying whether the
-        window may be applied (None: always). By default the rule's
-        `_window_ok` (under "skip_window" no bad micro-batch counted)."""
+        """(window, ok) at the boundary: totals for `_tf_update`, and
+        whether it may be applied (None: always)."""
         ok = self._window_ok(True)
         return None, (None if ok is True else ok)
 
     def _tf_update(self, variables, window, writes):
-        """The window's update: `writes.assign*` (this optimizer's own
-        methods, or their kept form under a select) for what the update
-        reads back; direct writes are kept too. By default the rule's own
-        `_update`, in cross-replica context."""
+        """The window's update, written with `writes.assign*` (by default
+        the rule's `_update`)."""
         self._update(variables, True)
 
     def _tf_drop_window(self, variables, dropped=None):
-        """After a dropped update (where `dropped` holds, under XLA): leave
-        no non-finite window state behind. Nothing by default."""
+        """After a dropped update (where `dropped` holds): no NaN left."""
         return None  # a docstring-only body makes AutoGraph warn when traced

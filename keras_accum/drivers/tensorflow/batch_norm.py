@@ -1,10 +1,5 @@
-"""`keras_accum.layers.BatchNormalization` on TensorFlow: replica-local
-sums in the forward pass, the moving statistics moved in the optimizer's
-`apply` that ends a window (`on_window_end`), after one all-reduce of the
-sums of every replica.
-
-The layer (`keras_accum.layers`) says what the window's statistics and the
-move are; this is how TensorFlow follows the optimizer's windows.
+"""`layers.BatchNormalization` on TensorFlow: replica-local sums, moved at
+the optimizer's `on_window_end` after one all-reduce. See docs/BATCH_NORM.md.
 """
 
 from keras import ops
@@ -17,16 +12,14 @@ class BatchNormalizationForm:
     """The TensorFlow form of `keras_accum.layers.BatchNormalization`."""
 
     def _local_scope(self):
-        """Replica-local (on-read SUM) sums: each replica adds its own part,
-        a read in cross-replica context (or a save) sees the total."""
+        """The sums are replica-local (a read sees the total)."""
         return _replicas.sync_on_read()
 
     def _build_counters(self):
         return None  # the optimizer counts the windows (`keras_accum.base.WindowMixin`)
 
     def load_own_variables(self, store):
-        # A file saved on JAX or PyTorch holds three window counters more
-        # (TensorFlow counts with the optimizer's): they are left out.
+        # A JAX or PyTorch file's three window counters are left out.
         own = _compat.layer_own_variables(self)
         if len(store.keys()) == len(own) + 3:
             for i, variable in enumerate(own):
@@ -53,11 +46,8 @@ class BatchNormalizationForm:
             total.assign_add(term)
 
     def _end_window(self, keep=None):
-        """Cross-replica, at a window's end (`on_window_end`): the sums of
-        every replica in one all-reduce, the moving statistics moved once,
-        the sums restarted. With `keep` (a boolean tensor, under XLA on
-        one replica) this runs on every micro-step and writes only where
-        `keep` holds."""
+        """`on_window_end`: the sums in one all-reduce, the statistics moved,
+        the sums restarted; with `keep` (XLA) writes only where it holds."""
         sums = [self.window_sum, self.window_square_sum, self.window_count]
         parts = _replicas.for_each_replica(lambda: tf.stack([s.value for s in sums]))
         totals = _replicas.sum_over_replicas([(parts, self.moving_mean)])[0]

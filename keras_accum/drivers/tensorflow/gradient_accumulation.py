@@ -1,14 +1,6 @@
-"""GradientAccumulation on TensorFlow: replica-local sums, one
-communication per window (the inner optimizer's own all-reduce).
-
-The rule (`keras_accum.gradient_accumulation`) says what a micro-batch and
-a window's end compute; this is how TensorFlow runs it under
-`tf.distribute`: each replica adds w g to its own S_r and W_r (a large
-`Embedding`'s gradient row by row, never made parameter-sized); under
-`"skip_window"` the window's sums are checked once at its end in graph
-mode (NaN and Inf propagate into them), under XLA a bad micro-batch makes
-W_r NaN instead; at the end each replica hands S_r / W to the inner
-optimizer, whose all-reduce (SUM) makes it S / W.
+"""GradientAccumulation on TensorFlow: each replica adds w g to its own S_r
+and W_r (sparse rows kept sparse); at the window's end each hands S_r / W to
+the inner optimizer, whose all-reduce makes it S / W: one per window.
 """
 
 from keras_accum import _replicas
@@ -23,17 +15,15 @@ class GradientAccumulationForm:
         # Replica context, replica-local state only: no communication.
         accumulators = self._accumulators_of(variables)
         scale, share = self.weights(weight, _replicas.count())
-        # A large Embedding's gradient stays sparse (`tf.IndexedSlices`): it
-        # is added to S_r row by row, never made parameter-sized.
+        # A large Embedding's rows are added where they fall.
         grads = [_execution.sparse_or_dense(g, v) for g, v in zip(grads, variables)]
         grads = [_execution.map_values(lambda x: tf.cast(x, "float32"), g) for g in grads]
         xla = _execution.in_xla()
         if self._nonfinite_policy.drops_windows:
             ok = None  # graph mode: the window's sums are checked at its end
             if xla:
-                # Under XLA the check fuses into the fold; a bad micro-batch
-                # adds zeros to S_r (kept finite) and NaN to W_r, which the
-                # window's end then reads as "drop" (a scalar, no read of S_r).
+                # XLA: a bad micro-batch adds zeros to S_r and NaN to W_r,
+                # read at the window's end as "drop" (no read of S_r).
                 finite = _execution.all_finite(grads)
                 keep = lambda x: tf.where(finite, x, tf.zeros((), x.dtype))
                 grads = [_execution.map_values(keep, g) for g in grads]
@@ -47,9 +37,8 @@ class GradientAccumulationForm:
             grads = [_execution.map_values(lambda x: scale * x, g) for g in grads]
 
         def fold(start, ok):
-            # S_r = w g at the window's start, else S_r + w g; W_r likewise
-            # with w. A skipped micro-batch (ok False) adds nothing, and
-            # leaves S_r = 0, W_r = 0 at the window's start.
+            # S_r = w g at the window's start, else S_r + w g; W_r with w.
+            # A skipped micro-batch adds nothing (S_r = W_r = 0 at a start).
             for a, wg in zip(accumulators, grads):
                 add_to_window(a, wg if ok else None, start)
             add_to_window(self._weight, share if ok else None, start)
@@ -57,8 +46,7 @@ class GradientAccumulationForm:
         _execution.by_condition(fold, start, None if xla else ok)
 
     def _tf_read_window(self, variables):
-        """((W,), ok): W summed over replicas; whether the window may be
-        applied, under each policy."""
+        """((W,), ok): W over replicas; whether the window may be applied."""
         policy = self._nonfinite_policy
         if not policy.drops_windows:
             total_weight = _replicas.read_total(self._weight)
@@ -70,10 +58,8 @@ class GradientAccumulationForm:
             total_weight = _replicas.read_total(self._weight)
             # Under XLA a bad micro-batch made W NaN (`_tf_fold`).
             return (total_weight,), tf.math.is_finite(total_weight)
-        # Graph mode: NaN and Inf propagate into the window's sums, so one
-        # check of each S_r per window (in the window end's branch) replaces
-        # a check of every micro-batch, reduced with W in the window's one
-        # scalar reduction.
+        # Graph mode: a NaN propagates into S_r, so one check per window,
+        # reduced with W in one scalar reduction.
         accumulators = self._accumulators_of(variables)
 
         def local():  # (W_r, 1.0 where S_r holds a NaN or an Inf)
@@ -105,10 +91,8 @@ class GradientAccumulationForm:
         inner = self.inner_optimizer
         clips = inner.clipnorm or inner.global_clipnorm or inner.clipvalue
         if _replicas.count() > 1 and clips:
-            # The clip must see the global window mean: reduce it here, hand
-            # it whole to replica 0 and zeros to the others, so that the inner
-            # optimizer's per-replica clip then all-reduce (SUM) yields
-            # exactly clip(S / W) on every replica.
+            # The clip must see the global mean: replica 0 gets it whole, the
+            # others zeros, so the inner clip then SUM gives clip(S / W).
             means = self.means([_replicas.read_total(a) for a in accumulators], total_weight)
 
             def apply_inner(means):
@@ -117,8 +101,7 @@ class GradientAccumulationForm:
 
             _replicas.for_each_replica(apply_inner, means)
         else:
-            # Each replica hands S_r / W; the inner optimizer's all-reduce
-            # (SUM) turns it into S / W: one communication per window.
+            # S_r / W per replica; the inner all-reduce (SUM) makes S / W.
             def apply_inner(total_weight):
                 inner.apply(self.means([a.value for a in accumulators], total_weight), variables)
 
@@ -126,13 +109,9 @@ class GradientAccumulationForm:
 
 
 def add_to_window(state, value, start):
-    """S = value at the window's start, else S + value, in place: the
-    rule's window sum, written as TensorFlow writes it cheapest.
-
-    `value`: a tensor, a `tf.IndexedSlices` (its rows are added where they
-    fall, no dense gradient) or None (a skipped micro-batch: nothing is
-    added, and S = 0 at the window's start whatever came before). `start`
-    a Python bool (in a branch) or a boolean tensor (under XLA)."""
+    """S = value at the window's start, else S + value, in place. `value`:
+    a tensor, `tf.IndexedSlices` (rows scattered) or None (adds nothing);
+    `start`: a bool or a boolean tensor."""
     if value is None or isinstance(value, tf.IndexedSlices):
         if start is True:
             state.assign(_execution.zeros_like_state(state))

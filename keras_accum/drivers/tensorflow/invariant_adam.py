@@ -1,14 +1,6 @@
-"""InvariantAdam on TensorFlow: replica-local moments, each replica's
-gradient a micro-batch, one batched all-reduce per window.
-
-The rule (`keras_accum.invariant_adam`) says what a micro-batch and a
-window's end compute; this is how TensorFlow runs it under `tf.distribute`:
-each replica folds its own gradient into its own m_r and v_r with the
-rule's `fold_factors`, `fold` and `increments` (the replica factor undone
-before squaring), a large `Embedding`'s gradient row by row (`fold_rows`),
-the dense ones in one compiled kernel per replica (`fold_dense`); at the
-window's end the moments of every replica are summed in one all-reduce and
-the rule's `alpha` and `step` run on each variable's devices.
+"""InvariantAdam on TensorFlow: each replica's gradient a micro-batch,
+folded into its replica-local m_r, v_r (`fold_dense`: one compiled kernel;
+`fold_rows`: sparse rows); at the window's end one batched all-reduce.
 """
 
 import functools
@@ -28,17 +20,13 @@ class InvariantAdamForm:
             (self._momentums[i], self._velocities[i])
             for i in (_compat.variable_index(self, v) for v in variables)
         ]
-        # A large Embedding's gradient (`tf.IndexedSlices`) stays sparse: its
-        # rows go into m and v where they fall (`fold_rows`), unless
-        # the micro-batch is clipped or every window is one micro-batch
-        # (Keras Adam's dense arithmetic there).
+        # Sparse rows (`fold_rows`), unless clipped or `steps` is 1 (dense).
         sparse = not (self._single_step() or self._clips())
         keep = lambda g, v: _execution.sparse_or_dense(g, v) if sparse else _execution.dense(g)
         grads = [keep(g, v) for g, v in zip(grads, variables)]
         cast = lambda g, dtype: _execution.map_values(lambda x: tf.cast(x, dtype), g)
         grads = [cast(g, m.dtype) for g, (m, _) in zip(grads, moments)]
-        # A skipped micro-batch (ok False) counts as a zero gradient: the
-        # window's decay of m and v still happens.
+        # A skipped micro-batch is a zero gradient: m and v still decay.
         grads, ok = self._screen(grads, mask=False)
         if self._single_step():
             _, rate_1, rate_2 = self._window_factors(replicas)
@@ -69,10 +57,8 @@ class InvariantAdamForm:
             _execution.run(fold_dense, self, rule, grads, *zip(*handles), scalars, ok, jit=jit)
 
     def _fold_scalars(self, replicas, start):
-        """(steps, replicas / steps, 1 - beta_1,k, 1 - beta_2,k, first) as
-        float32 scalars: g_j / kappa = g / steps and g_j**2 / kappa =
-        g**2 * replicas / steps (g = g_r / replicas: the replica factor is
-        undone before squaring); first = 1 at the window's start, else 0."""
+        """(steps, replicas / steps, 1 - beta_1,k, 1 - beta_2,k, first),
+        float32: g_j / kappa = g / steps, g_j**2 / kappa = g**2 replicas / steps."""
         steps, beta_1_rate, beta_2_rate = self._window_factors(replicas)
         values = (steps, replicas / steps, beta_1_rate, beta_2_rate, start)
         return tuple(tf.cast(x, "float32") for x in values)
@@ -97,9 +83,7 @@ class InvariantAdamForm:
                 _replicas.assign_total(v, _replicas.local_value(v_total))
 
     def _reduce_moments(self, variables, moments):
-        """[(sum of m_r, sum of v_r)] per variable, each on the devices of
-        its variable: every replica-local moment in one batched all-reduce,
-        the window's one communication."""
+        """[(sum m_r, sum v_r)] per variable, in one batched all-reduce."""
 
         def local():  # replica context: this replica's m_r, v_r
             return [(m.value, v.value) for m, v in moments]
@@ -127,15 +111,9 @@ class InvariantAdamForm:
 
 
 def fold_dense(rule, grads, m_handles, v_handles, scalars, ok=None):
-    """The rule's fold of one micro-batch's dense gradients, on resource
-    handles (one compiled kernel per replica: `_execution.run`).
-
-    `rule` = (fold_factors, fold), the rule's functions; `scalars` =
-    (steps, square_factor, rate_1, rate_2, first), float32 scalars. `ok`
-    (optional boolean scalar): False counts the micro-batch as a zero
-    gradient (a take of 0, and `multiply_no_nan` makes its NaN or Inf times
-    0 exactly 0).
-    """
+    """The rule's fold of dense gradients on handles (`_execution.run`).
+    `rule`: (fold_factors, fold); `scalars`: `_fold_scalars`; `ok` False: a
+    zero gradient (take 0, `multiply_no_nan` zeroes NaN)."""
     fold_factors, fold = rule
     steps, square_factor, rate_1, rate_2, first = scalars
     # The factors once; the fold per variable in its dtype.
@@ -152,11 +130,8 @@ def fold_dense(rule, grads, m_handles, v_handles, scalars, ok=None):
 
 
 def fold_rows(rule, grads, moments, scalars, start, ok=None):
-    """`fold_dense` for sparse gradients (`tf.IndexedSlices`), row by row:
-    the fold is affine in (m, v), so the window's decay (m keep_1, where
-    `start` holds) is followed by the rule's `increments` of the rows,
-    added where they fall (repeated rows summed before squaring, as in the
-    dense gradient)."""
+    """`fold_dense` for `tf.IndexedSlices` (the fold is affine): the decay
+    where `start` holds, then `increments` of the combined rows scattered."""
     fold_factors, increments = rule
     steps, square_factor, rate_1, rate_2, _ = scalars
     first = (
@@ -181,10 +156,8 @@ def fold_rows(rule, grads, moments, scalars, start, ok=None):
 
 
 def keras_moments(grads, moments, rate_1, rate_2, replicas, assign_add):
-    """Every micro-batch a window: m = m + (g_j / kappa - m)(1 - beta_1) and
-    v likewise with g_j**2, in `keras.optimizers.Adam`'s own form and
-    rounding (so that one replica is Keras Adam bit for bit); written with
-    `assign_add(variable, delta)`."""
+    """`steps` = 1: m += (g_j / kappa - m)(1 - beta_1), v likewise with
+    g_j**2, in Keras Adam's form (one replica: bit for bit)."""
     for g, (m, v) in zip(grads, moments):
         # g_j**2 / kappa = g**2 * replicas (the replica factor undone)
         square = None if replicas == 1 else tf.square(g) * float(replicas)

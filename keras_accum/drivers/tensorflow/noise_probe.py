@@ -1,8 +1,5 @@
-"""`NoiseScaleCallback`'s probe on TensorFlow (`keras_accum._noise_callback`
-holds the callback; JAX and PyTorch probe through `keras_accum._gradients`):
-kappa micro-batches' gradients in one traced `tf.while_loop`, the model's
-non-trainable and metric state restored after, and a `tf.data.Dataset` as
-probe data."""
+"""`NoiseScaleCallback`'s probe on TensorFlow: kappa micro-batches'
+gradients in one traced `tf.while_loop`, the model's state restored after."""
 
 import keras
 
@@ -34,8 +31,7 @@ def as_tensors(data):
 
 
 def probe_function(callback):
-    """The callback's probe, traced once (an explicit `tf.while_loop`: no
-    AutoGraph needed)."""
+    """The callback's probe, traced once (no AutoGraph)."""
     return tf.function(lambda data: _probe(callback, data), autograph=False)
 
 
@@ -72,8 +68,6 @@ def _probe(callback, data):
 
 
 def _zeros_like(variable):
-    """Zeros shaped like `variable`, computed where used (x * 0 with
-    `multiply_no_nan`): not `tf.zeros_like`, whose constant a traced probe
-    would hold for good."""
+    """Zeros like `variable`, not a held constant (`zeros_like_state`)."""
     value = tf.convert_to_tensor(variable)
     return tf.math.multiply_no_nan(value, tf.zeros((), value.dtype))

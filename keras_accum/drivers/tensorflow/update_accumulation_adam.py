@@ -1,13 +1,6 @@
-"""UpdateAccumulationAdam on TensorFlow: the micro-batch's gradient
-reduced over the replicas every micro-step, then Adam's micro-step and the
-buffer A in one compiled kernel per replica.
-
-The rule (`keras_accum.update_accumulation_adam`) says what a micro-batch
-and a window's end compute; this is how TensorFlow runs it under
-`tf.distribute`: the moments are shared (mirrored), so each micro-step's
-gradients are summed over the replicas first, and every replica then runs
-`micro_step_kernel` (the rule's `changes` and `step`) on its copy of m,
-v, A (and, with `steps=1`, the variable: Keras's Adam, op for op).
+"""UpdateAccumulationAdam on TensorFlow: the moments are mirrored, so each
+micro-step's gradient is summed over the replicas, then every replica runs
+`micro_step_kernel` on its copy of m, v, A (with `steps=1`, Keras's Adam).
 """
 
 from keras_accum import _compat, _replicas, equations, kernels
@@ -19,11 +12,8 @@ class UpdateAccumulationAdamForm:
     """The TensorFlow form of `keras_accum.UpdateAccumulationAdam` (a mixin)."""
 
     def _tf_accumulate(self, grads, variables, weight, start):
-        # Moments are shared: reduce the gradient every micro-step (SUM of the
-        # replicas' shares is the replica-mean gradient).
         reduced = self._reduce(grads, variables)
-        # Every replica now holds the same micro-step gradient: screen and
-        # clip it on each (each counts the skip of its own micro-batch).
+        # The same gradient on every replica: screen and clip it on each.
         xla = _execution.in_xla()
         reduced, ok = _replicas.for_each_replica(self._prepare, reduced, variables, xla)
         if not self._nonfinite_policy.skips:
@@ -32,11 +22,7 @@ class UpdateAccumulationAdamForm:
             ok = _replicas.local_value(ok)
         # t = micro-steps folded into the moments so far (a skip adds none)
         t = self._moment_steps.assign_add(1 if ok is None else tf.cast(ok, "int64"))
-        # alpha_t with t = micro-steps folded into the moments so far (>= 1,
-        # also before the first finite one)
-        # With no buffer A (plain Adam) alpha is computed in each variable's
-        # dtype, as Keras Adam does (in bfloat16 beta_2 = 0.999 rounds to 1,
-        # and Keras's alpha is 0); with a buffer, in float32.
+        # alpha_t, t >= 1; in each variable's dtype without A (as Keras Adam)
         count = tf.maximum(t, 1)
         dtypes = {self.alpha_dtype(self._slot_dtype(v.dtype)) for v in variables}
         alphas = {tf.as_dtype(dtype).name: self.alpha(count, dtype) for dtype in dtypes}
@@ -47,11 +33,7 @@ class UpdateAccumulationAdamForm:
             tf.constant(self.epsilon, "float32"),
             tf.cast(self.learning_rate, "float32"),
         )
-        # One compiled kernel per replica for every variable in graph mode
-        # (TensorFlow ops would be a full pass per term), op by op on a small
-        # model; each replica updates its own copy of the (mirrored) state
-        # with the same reduced gradient.
-        # With no buffer A (plain Adam) the ops stay Keras Adam's, bit for bit.
+        # One compiled kernel per replica; without A, Keras Adam's ops.
         jit = self._updates is not None and _execution.worth_compiling(variables)
 
         def micro_step(keep):
@@ -62,8 +44,7 @@ class UpdateAccumulationAdamForm:
         _execution.by_condition(micro_step, ok)
 
     def _reduce(self, grads, variables):
-        """SUM over replicas. A tensor that every replica handed in (not a
-        per-replica value) sums to replicas x itself."""
+        """SUM over replicas (a non-per-replica tensor: replicas x itself)."""
         grads = [_execution.dense(g) for g in grads]
         replicas = _replicas.count()
         split = [_replicas.is_per_replica(g) for g in grads]
@@ -124,21 +105,11 @@ class UpdateAccumulationAdamForm:
 
 
 def micro_step_kernel(rule, grads, handles, scalars, start, keep=True):
-    """The rule's micro-step for every variable, on resource handles (one
-    compiled kernel per replica: `_execution.run`): Adam's moments
-    (`changes`), then A = step (window start) or A + step; with no buffer A
-    (every window one micro-step) theta = theta - step, after the decoupled
-    weight decay, as `keras.optimizers.Adam` does.
-
-    `rule` = (changes, step), the rule's functions; `handles`: (m, v, A or
-    None, (theta, its dtype), decay) per variable (m, v and A in the
-    gradient's dtype), decay the weight decay factor (or None); `scalars` =
-    (alphas, rate_1, rate_2, epsilon, learning_rate): the
-    bias-corrected rate of this micro-step by dtype name (`alpha_dtype`),
-    1 - beta_1, 1 - beta_2, epsilon and the learning rate, float32. `keep`
-    False (a skipped micro-step): m, v and theta unchanged, A = 0 at the
-    window's start.
-    """
+    """The rule's micro-step on handles (`_execution.run`): moments, then
+    A = step (start) or A + step; without A, theta = decayed(theta) - step.
+    `handles`: (m, v, A or None, (theta, dtype), decay) per variable;
+    `scalars`: (alphas by dtype name, 1 - beta_1, 1 - beta_2, epsilon, lr).
+    `keep` False: nothing moves but A = 0 at the window's start."""
     changes, step_of = rule
     alphas, rate_1, rate_2, epsilon, learning_rate = scalars
     for g, (m_handle, v_handle, a_handle, (theta_handle, theta_dtype), decay) in zip(
@@ -167,8 +138,7 @@ def micro_step_kernel(rule, grads, handles, scalars, start, keep=True):
         if factor is not None:
             step = step * factor
         if a_handle is None:
-            # In the step's dtype (float32 state of a bfloat16 theta: one
-            # rounding, at the write).
+            # In the step's dtype: one rounding, at the write.
             theta = _execution.read(theta_handle, theta_dtype)
             wide = theta if theta_dtype == dtype else cast(theta)
             if decay is not None:
@@ -180,9 +150,7 @@ def micro_step_kernel(rule, grads, handles, scalars, start, keep=True):
                 theta_handle, wide if theta_dtype == dtype else tf.cast(wide, theta_dtype)
             )
             continue
-        # A = step at the window's start, else A + step. Written as
-        # (0 or A) + step: XLA then updates A in place (a select of two
-        # parameter-sized results took one more buffer, 4 bytes/parameter).
+        # A = (0 at the start, else A) + step: XLA updates A in place.
         zero = tf.zeros((), dtype)
         a = zero if start is True else _execution.read(a_handle, dtype)
         _execution.write(a_handle, _execution.where(start, zero, a) + step)

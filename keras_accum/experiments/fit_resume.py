@@ -1,23 +1,8 @@
-"""Resumable `model.fit` runs: atomic epoch checkpoints and logs that rewind
-with them.
-
-A run folder written with these callbacks can be killed at any moment and
-resumed to the rows and weights of an uninterrupted run:
-
-* `EpochCheckpoint` saves `epoch_NNN.keras` atomically at each epoch end
-  (see `checkpoints.save_keras`), with the state of the callbacks that have
-  one (`get_state` / `set_state`, e.g. `NoiseScaleCallback`) and each
-  replica's part of the optimizer's replica-local variables.
-* `FlushingTensorBoard` is Keras's TensorBoard callback flushed at each
-  epoch end, so the events of a checkpointed epoch are on disk.
-* `find_resume` finds the newest intact checkpoint, `load_resume` loads
-  it, `restore_state` gives the callbacks their state back and
-  `rewind_logs` cuts metrics.csv and the TensorBoard events back to the
-  epochs it holds.
-
-The data position is the epoch count: the training stream must be a
-deterministic function of it (e.g. a seeded stream that skips
-`epoch * steps_per_epoch` batches).
+"""The harness's resumable `model.fit` runs (`experiment.train_and_evaluate`):
+`EpochCheckpoint` (atomic `epoch_NNN.keras` with callbacks' state),
+`FlushingTensorBoard`, and `find_resume`, `load_resume`, `restore_state`,
+`rewind_logs` to resume. The training stream must be a deterministic
+function of the epoch. See docs/guides/custom_loop.md.
 """
 
 import dataclasses
@@ -36,13 +21,13 @@ PATTERN = "epoch_{epoch:03d}.keras"
 class EpochCheckpoint(keras.callbacks.Callback):
     """Saves `directory/epoch_NNN.keras` (NNN = epochs done) atomically.
 
+    Put it after the callbacks that log the epoch (CSVLogger, TensorBoard).
+
     Args:
         directory: the checkpoint folder.
-        stateful: callbacks whose `get_state()` (JSON-serialisable) is saved
-            with the model under their class name.
-        sync: files (e.g. metrics.csv) fsynced before each checkpoint, so
-            the rows it vouches for are durable.
-    Put it after the callbacks that log the epoch (CSVLogger, TensorBoard).
+        stateful: callbacks whose `get_state()` (JSON) is saved under their
+            class name.
+        sync: files (e.g. metrics.csv) fsynced before each checkpoint.
     """
 
     def __init__(self, directory, stateful=(), sync=()):
@@ -75,8 +60,7 @@ class FlushingTensorBoard(keras.callbacks.TensorBoard):
 
 @dataclasses.dataclass
 class ResumePoint:
-    """Where a fit run resumes: the checkpoint file, the epochs it holds and
-    the state saved with it (None for a plain Keras file)."""
+    """Where a fit run resumes: the file, its epochs, its saved state (or None)."""
 
     path: str
     epoch: int
@@ -85,8 +69,7 @@ class ResumePoint:
 
 def find_resume(directory):
     """The newest intact `epoch_NNN.keras` in `directory` as a ResumePoint
-    (without loading the model), or None; unusable newer files are named in
-    a warning, and `CheckpointError` names them when none is intact."""
+    (not loaded), or None."""
     path = checkpoints.newest_keras(directory)
     if path is None:
         return None
@@ -95,15 +78,13 @@ def find_resume(directory):
 
 
 def load_resume(point):
-    """Loads the model of `point` (call inside the strategy's scope) and
-    keeps the state saved with it in `point.state`; returns the model."""
+    """Returns the model of `point` (call in the strategy's scope); sets `point.state`."""
     model, point.state = checkpoints.load_keras(point.path)
     return model
 
 
 def restore_state(point, stateful):
-    """Gives each callback in `stateful` (with `set_state`) the state saved
-    under its class name in `point` (after `load_resume`)."""
+    """`set_state` of each callback in `stateful` from `point` (after `load_resume`)."""
     for callback in stateful:
         saved = (point.state or {}).get(type(callback).__name__)
         if saved is not None:
@@ -111,9 +92,8 @@ def restore_state(point, stateful):
 
 
 def rewind_logs(metrics_csv, tensorboard_dirs, epoch):
-    """Keeps the rows of the first `epoch` epochs in metrics.csv (column
-    `epoch` counts from 0) and the first `epoch` values of every tag in the
-    TensorBoard folders (each tag is written once per epoch)."""
+    """Keeps the first `epoch` epochs' rows of metrics.csv and values of each
+    TensorBoard tag (one per epoch)."""
 
     def before(row):
         try:
