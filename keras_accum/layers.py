@@ -49,7 +49,7 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
     `LossScaleOptimizer`), or the one given to `attach`. With no
     accumulating optimizer, or in inference, it is Keras's layer bit for
     bit. Off TensorFlow it counts its own windows (`micro_step`,
-    `window_steps`, `window_end`; `AdaptiveSteps` is refused there). S1, S2
+    `window_steps`, `window_end`; JAX refuses `AdaptiveSteps`). S1, S2
     and N are the non-trainable variables `window_sum`,
     `window_square_sum` and `window_count`, saved with the model. See
     docs/BATCH_NORM.md (windows, replicas, saving, measurements).

@@ -46,14 +46,19 @@ class BatchNormalizationForm:
         return _compat.training_model()
 
     def _follow(self, optimizer):
-        if isinstance(optimizer.steps, StepsSchedule) and not isinstance(
-            optimizer.steps, PiecewiseSteps
+        # PyTorch's eager forward pass reads a schedule's state as the
+        # optimizer's step will; JAX's compiled one would keep the value it
+        # was traced with.
+        if (
+            _backend.BACKEND == "jax"
+            and isinstance(optimizer.steps, StepsSchedule)
+            and not isinstance(optimizer.steps, PiecewiseSteps)
         ):
             raise ValueError(
                 "`keras_accum.layers.BatchNormalization` counts its windows itself "
-                f"under {_backend.BACKEND}, so it follows an integer `steps` or a "
-                "`PiecewiseSteps`, not a schedule that sizes windows from the "
-                "optimizer's state (TensorFlow runs that). "
+                "under jax, so it follows an integer `steps` or a `PiecewiseSteps`, "
+                "not a schedule that sizes windows from the optimizer's state "
+                "(TensorFlow and PyTorch run that). "
                 f"Received: steps={optimizer.steps!r}"
             )
 

@@ -257,7 +257,32 @@ def test_config_round_trip_and_bad_unit():
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow follows any schedule")
+@pytest.mark.skipif(BACKEND == "jax", reason="refused under JAX (the next test)")
+@pytest.mark.parametrize("unit", ["micro_step", "update"])
+def test_adaptive_windows_of_one_two_and_four(unit):
+    # The schedule's size changes between fits (`observe`): windows 1, 1,
+    # then 2, 2, then 4. On TensorFlow the optimizer ends the layer's
+    # windows; on PyTorch the layer reads the schedule in its forward pass.
+    steps = ka.AdaptiveSteps(1, 4, B, smoothing=0.0, min_observations=1)
+    model = build(momentum_unit=unit)
+    model.compile(optimizer=FROZEN["gradient_accumulation"](steps), loss="mse")
+    seen = []
+    for size, (lo, hi) in [(None, (0, 8)), (2, (8, 24)), (4, (24, 40))]:
+        if size is not None:
+            steps.observe(size * B)  # b_simple: `size` micro-batches of B items
+        model.fit(X[lo:hi], Y[lo:hi], batch_size=B, shuffle=False, verbose=0)
+        seen.append(int(numpy(model.optimizer.window_steps)))
+        assert_counts_agree(model)
+    assert seen == [1, 2, 4]
+    assert int(numpy(model.optimizer.iterations)) == 5
+    batches = micro_batches(features(model, X[:40]), B)
+    expected = ref.window_batch_norm_state(batches, [1, 1, 2, 2, 4], MOMENTUM, 0.0, 1.0, unit)
+    assert_close(state(model), expected)
+    if BACKEND != "tensorflow":
+        assert int(numpy(model.layers[1].window_end)) == 10
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="TensorFlow and PyTorch follow any schedule")
 def test_adaptive_steps_refused_in_one_line():
     optimizer = ka.GradientAccumulation(
         keras.optimizers.SGD(0.0), steps=ka.AdaptiveSteps(1, 4, micro_batch_size=B)
