@@ -79,7 +79,6 @@ class WindowMixin:
     """An optimizer's window: its size, its end, and `on_window_end`."""
 
     _window = None  # the `WindowState`, from `build`
-    _window_bounds = staticmethod(bounds)  # for a layer that counts its own windows
 
     @property
     def window_steps(self):
@@ -103,9 +102,17 @@ class WindowMixin:
                 only where it holds). Bound methods are held weakly; a repeat
                 registration does nothing; callbacks run in registration order.
         """
+        self._follow_with("refs", callback)
+
+    def _on_each_apply(self, callback):
+        """Runs `callback(optimizer)` after the micro-step's count of every
+        `apply` (TensorFlow's driver, cross-replica context), as `on_window_end`."""
+        self._follow_with("each_apply", callback)
+
+    def _follow_with(self, kind, callback):
         if getattr(self, "_followers", None) is None:
             self._followers = _Followers()
-        callbacks = self._followers.refs
+        callbacks = getattr(self._followers, kind)
         if any(ref() == callback for ref in callbacks):
             return
         if inspect.ismethod(callback):
@@ -113,18 +120,20 @@ class WindowMixin:
         else:
             callbacks.append(lambda: callback)
 
-    def _window_end_callbacks(self):
-        """The live callbacks of `on_window_end`, in order."""
+    def _window_end_callbacks(self, kind="refs"):
+        """The live callbacks of `on_window_end` (or `_on_each_apply`), in order."""
         followers = getattr(self, "_followers", None)
-        callbacks = (ref() for ref in (followers.refs if followers else []))
+        callbacks = (ref() for ref in (getattr(followers, kind) if followers else []))
         return [c for c in callbacks if c is not None]
 
 
 class _Followers:
-    """`on_window_end`'s weak callbacks (a plain holder nobody tracks)."""
+    """`on_window_end`'s and `_on_each_apply`'s weak callbacks (a plain
+    holder nobody tracks)."""
 
     def __init__(self):
         self.refs = []
+        self.each_apply = []
 
 
 class AccumulationOptimizer(

@@ -18,6 +18,8 @@ from keras_accum.validation import check_choice
 
 # What `momentum` is per: a micro-step (Keras's layer under accumulation) or an update.
 MOMENTUM_UNITS = ("micro_step", "update")
+# The training calls so far, and the size and end micro-step of the current window.
+COUNTERS = ("micro_step", "window_steps", "window_end")
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -49,7 +51,8 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
     `LossScaleOptimizer`), or the one given to `attach`. With no
     accumulating optimizer, or in inference, it is Keras's layer bit for
     bit. Off TensorFlow it counts its own windows (`micro_step`,
-    `window_steps`, `window_end`; JAX refuses `AdaptiveSteps`). S1, S2
+    `window_steps`, `window_end`; JAX refuses `AdaptiveSteps`); on
+    TensorFlow they hold the optimizer's count. S1, S2
     and N are the non-trainable variables `window_sum`,
     `window_square_sum` and `window_count`, saved with the model. See
     docs/BATCH_NORM.md (windows, replicas, saving, measurements).
@@ -109,7 +112,34 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
             self.window_sum = keras.Variable(name="window_sum", **local)
             self.window_square_sum = keras.Variable(name="window_square_sum", **local)
             self.window_count = keras.Variable(name="window_count", **local)
-        self._build_counters()
+        # The layer's count of its windows (`_count` off TensorFlow; written
+        # from the optimizer's when saved on TensorFlow), after the sums: one
+        # saved format on every backend.
+        with keras.name_scope(self.name, caller=self):
+            counter = dict(
+                initializer="zeros",
+                shape=(),
+                dtype=_backend.INT,
+                trainable=False,
+                aggregation="only_first_replica",
+            )
+            for name in COUNTERS:
+                setattr(self, name, keras.Variable(name=name, **counter))
+
+    def _counters(self):
+        return [getattr(self, name) for name in COUNTERS]
+
+    def load_own_variables(self, store):
+        # A file of keras_accum 0.3.x from TensorFlow has no counters: they load as zero.
+        own = _compat.layer_own_variables(self)
+        saved = len(store.keys())
+        if saved == len(own) - len(COUNTERS):
+            for i, variable in enumerate(own[:saved]):
+                variable.assign(store[f"{i}"])
+            for counter in self._counters():
+                counter.assign(ops.zeros((), counter.dtype))
+            return
+        super().load_own_variables(store)
 
     def call(self, inputs, training=None, mask=None):
         optimizer = self._window_optimizer() if training and self.trainable else None
@@ -153,6 +183,19 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
         self._followed = weakref.ref(optimizer)
         self._follow(optimizer)
         return optimizer
+
+    def _count(self, optimizer):
+        """This training call into the layer's count, its windows bounded as
+        the optimizer bounds its own (`base.bounds`): (the window's size,
+        whether this call ends it)."""
+        step = ops.convert_to_tensor(self.micro_step)
+        held = [ops.convert_to_tensor(self.window_end), ops.convert_to_tensor(self.window_steps)]
+        _, size, end = base.bounds(step, *held, optimizer.steps)
+        step = step + 1
+        self.micro_step.assign(step)
+        self.window_steps.assign(size)
+        self.window_end.assign(end)
+        return size, ops.equal(step, end)
 
     def _window_terms(self, inputs, mask, mean, variance, items):
         """What micro-batch i adds to S1, S2, N per channel; `items` is n_i

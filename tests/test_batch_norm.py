@@ -296,7 +296,7 @@ def test_convert_keeps_weights_and_predicts_identically():
     for variable in converted.weights:
         if variable.path in old:
             np.testing.assert_array_equal(variable.numpy(), old[variable.path])
-    assert len(converted.weights) == len(model.weights) + 2 * 3  # the window sums
+    assert len(converted.weights) == len(model.weights) + 2 * 6  # the window's sums, counters
     x = X[:16, :3, 0]
     np.testing.assert_array_equal(converted(x), model(x))
     assert type(model.layers[2]) is keras.layers.BatchNormalization  # model unchanged

@@ -6,13 +6,10 @@ ends one, each write a select. See docs/BATCH_NORM.md.
 import contextlib
 import math
 
-import keras
 from keras import ops
 
 from keras_accum import _backend, _compat, per_device
 from keras_accum.schedules import PiecewiseSteps, StepsSchedule
-
-COUNTERS = ("micro_step", "window_steps", "window_end")
 
 
 class BatchNormalizationForm:
@@ -20,27 +17,6 @@ class BatchNormalizationForm:
 
     def _local_scope(self):
         return contextlib.nullcontext()  # one device's worth of state
-
-    def _build_counters(self):
-        """micro_step, window_steps, window_end: after the sums, and only
-        here (TensorFlow's saved format has none)."""
-        with keras.name_scope(self.name, caller=self):
-            counter = dict(initializer="zeros", shape=(), dtype=_backend.INT, trainable=False)
-            for name in COUNTERS:
-                setattr(self, name, keras.Variable(name=name, **counter))
-
-    def load_own_variables(self, store):
-        # A TensorFlow file has no counters: they load as zero.
-        own = _compat.layer_own_variables(self)
-        counters = [getattr(self, name) for name in COUNTERS if hasattr(self, name)]
-        saved = len(store.keys())
-        if counters and saved == len(own) - len(counters):
-            for i, variable in enumerate(own[:saved]):
-                variable.assign(store[f"{i}"])
-            for variable in counters:
-                variable.assign(ops.zeros((), variable.dtype))
-            return
-        super().load_own_variables(store)
 
     def _calling_model(self):
         return _compat.training_model()
@@ -75,15 +51,8 @@ class BatchNormalizationForm:
         total_sum, total_square_sum, total_count = [
             ops.convert_to_tensor(total) + term for total, term in zip(sums, terms)
         ]
-        step = ops.convert_to_tensor(self.micro_step)
-        held = [ops.convert_to_tensor(self.window_end), ops.convert_to_tensor(self.window_steps)]
+        size, done = self._count(optimizer)
         steps = optimizer.steps
-        _, size, end = optimizer._window_bounds(step, *held, steps)
-        step = step + 1
-        done = ops.equal(step, end)
-        self.micro_step.assign(step)
-        self.window_steps.assign(size)
-        self.window_end.assign(end)
         # At the window's end: mu - c = S1 / N; s^2 = S2 / N - (mu - c)^2.
         seen = total_count > 0
         safe = ops.where(seen, total_count, ops.ones_like(total_count))

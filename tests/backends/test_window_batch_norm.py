@@ -9,6 +9,8 @@ state (moving statistics, and the sums S1, S2, N of the window in
 progress) is that of the float64 reference (tests/references.py).
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -89,9 +91,8 @@ def assert_close(actual, expected, rtol=1e-5, atol=1e-6):
 
 
 def assert_counts_agree(model):
-    """Off TensorFlow the layer's micro-step is the optimizer's."""
-    if BACKEND == "tensorflow":
-        return
+    """The layer's micro-step is the optimizer's (on TensorFlow the
+    optimizer's count, written into the layer after each `apply`)."""
     assert int(numpy(model.layers[1].micro_step)) == int(numpy(model.optimizer.micro_step))
 
 
@@ -235,6 +236,34 @@ def test_save_mid_window_and_load_resumes_exactly(tmp_path):
     assert_counts_agree(restored)
     for a, b in zip(restored.get_weights(), whole.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+COUNTERS = ("micro_step", "window_steps", "window_end")
+OLD_FILE = os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), "fixtures", "batch_norm_without_counters"
+)
+
+
+def test_a_file_without_counters_loads_and_goes_on():
+    # keras_accum 0.3.x's TensorFlow files hold the window's sums and no
+    # counters (written as its README says, mid-window: 3 micro-batches
+    # into the second window of 4). Every backend loads it, its counters
+    # at 0. On TensorFlow the optimizer still ends that window; elsewhere
+    # the layer's next training call starts a window of its own.
+    model = keras.models.load_model(os.path.join(OLD_FILE, "model.keras"))
+    layer = model.layers[1]
+    expected = np.load(os.path.join(OLD_FILE, "expected.npz"))
+    for name in ("moving_mean", "moving_variance", "window_sum", "window_square_sum"):
+        np.testing.assert_array_equal(numpy(getattr(layer, name)), expected[name], name)
+    np.testing.assert_array_equal(numpy(layer.window_count), expected["window_count"])
+    assert [int(numpy(getattr(layer, name))) for name in COUNTERS] == [0, 0, 0]
+    model.fit(X[:4], Y[:4], batch_size=B, shuffle=False, verbose=0)
+    assert int(numpy(model.optimizer.micro_step)) == 8
+    if BACKEND == "tensorflow":  # the optimizer's count: it ended the file's window
+        expected = [8, 4, 8]
+    else:  # its own count began a window of `steps` = 4 at this call
+        expected = [1, 4, 4]
+    assert [int(numpy(getattr(layer, name))) for name in COUNTERS] == expected
 
 
 def test_without_an_accumulating_optimizer_it_is_keras():

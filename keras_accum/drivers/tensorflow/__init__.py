@@ -85,6 +85,8 @@ class Driver:
         if grads:
             self._tf_accumulate(grads, trainable_variables, weight, window_start)
         micro_step = state.micro_step.assign_add(1)
+        for callback in self._window_end_callbacks("each_apply"):
+            callback(self)
         boundary = self._window_done(micro_step)
         self._overwrite_with_gradients(overwrite, boundary)
         followers = self._window_end_callbacks()

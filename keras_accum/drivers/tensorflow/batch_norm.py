@@ -15,26 +15,28 @@ class BatchNormalizationForm:
         """The sums are replica-local (a read sees the total)."""
         return _replicas.sync_on_read()
 
-    def _build_counters(self):
-        return None  # the optimizer counts the windows (`keras_accum.base.WindowMixin`)
-
-    def load_own_variables(self, store):
-        # A JAX or PyTorch file's three window counters are left out.
-        own = _compat.layer_own_variables(self)
-        if len(store.keys()) == len(own) + 3:
-            for i, variable in enumerate(own):
-                variable.assign(store[f"{i}"])
-            return
-        super().load_own_variables(store)
-
     def _calling_model(self):
         return _compat.calling_model()
 
     def _follow(self, optimizer):
         optimizer.on_window_end(self._end_window)
+        optimizer._on_each_apply(self._count_from)
 
     def _fold_micro_batch(self, inputs, mask, mean, variance, optimizer):
         self._fold(inputs, mask, mean, variance)
+
+    def _count_from(self, optimizer):
+        """After each `apply`: the optimizer's count, as JAX's and PyTorch's
+        layer keeps its own (`_count`), so that they go on from a saved file."""
+        window = optimizer._window
+        step = ops.convert_to_tensor(window.micro_step)
+        if window.end is None:  # an integer `steps`: windows end at its multiples
+            steps = optimizer.steps
+            size, end = ops.full_like(step, steps), (step + steps - 1) // steps * steps
+        else:
+            size, end = window.size, window.end
+        for counter, value in zip(self._counters(), (step, size, end)):
+            counter.assign(ops.cast(value, counter.dtype))
 
     def _fold(self, inputs, mask, mean, variance):
         """Replica context: this micro-batch into this replica's sums."""
