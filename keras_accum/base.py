@@ -102,7 +102,7 @@ class WindowMixin:
                 only where it holds). Bound methods are held weakly; a repeat
                 registration does nothing; callbacks run in registration order.
         """
-        self._follow_with("refs", callback)
+        self._follow_with("window_end", callback)
 
     def _on_each_apply(self, callback):
         """Runs `callback(optimizer)` after the micro-step's count of every
@@ -120,7 +120,7 @@ class WindowMixin:
         else:
             callbacks.append(lambda: callback)
 
-    def _window_end_callbacks(self, kind="refs"):
+    def _window_end_callbacks(self, kind="window_end"):
         """The live callbacks of `on_window_end` (or `_on_each_apply`), in order."""
         followers = getattr(self, "_followers", None)
         callbacks = (ref() for ref in (getattr(followers, kind) if followers else []))
@@ -132,7 +132,7 @@ class _Followers:
     holder nobody tracks)."""
 
     def __init__(self):
-        self.refs = []
+        self.window_end = []
         self.each_apply = []
 
 

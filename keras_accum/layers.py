@@ -112,9 +112,9 @@ class BatchNormalization(drivers.BatchNormalizationForm, keras.layers.BatchNorma
             self.window_sum = keras.Variable(name="window_sum", **local)
             self.window_square_sum = keras.Variable(name="window_square_sum", **local)
             self.window_count = keras.Variable(name="window_count", **local)
-        # The layer's count of its windows (`_count` off TensorFlow; written
-        # from the optimizer's when saved on TensorFlow), after the sums: one
-        # saved format on every backend.
+        # The layer's count of its windows (`_count` off TensorFlow; on
+        # TensorFlow the optimizer's, copied in after each `apply`), after the
+        # sums: one saved format on every backend.
         with keras.name_scope(self.name, caller=self):
             counter = dict(
                 initializer="zeros",
