@@ -120,7 +120,7 @@ class WindowMixin:
         else:
             callbacks.append(lambda: callback)
 
-    def _window_end_callbacks(self, kind="window_end"):
+    def _callbacks(self, kind="window_end"):
         """The live callbacks of `on_window_end` (or `_on_each_apply`), in order."""
         followers = getattr(self, "_followers", None)
         callbacks = (ref() for ref in (getattr(followers, kind) if followers else []))

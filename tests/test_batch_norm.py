@@ -145,6 +145,11 @@ def test_two_replicas_are_one_device_at_the_global_window(name, synchronized):
         # Global micro-batch 2 * B (B per replica): windows of 2 * K * B items.
         model.fit(X, Y, batch_size=2 * B, shuffle=False, verbose=0)
     assert_close(moving(model), keras_big_batch(2 * K * B))
+    # The layer's saved count is the optimizer's, copied in cross-replica.
+    micro_steps = len(X) // (2 * B)
+    counters = [int(c.numpy()) for c in norm_layer(model)._counters()]
+    assert counters == [micro_steps, K, -(-micro_steps // K) * K]
+    assert int(model.optimizer.micro_step.numpy()) == micro_steps
     if name == "invariant_adam":
         # Its m and v in one call, then the layer's S1, S2, N (3 x 3
         # channels) in one call: both at the window's end, none per step.

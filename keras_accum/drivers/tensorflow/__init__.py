@@ -63,7 +63,7 @@ class Driver:
         variables = _compat.trainable_variables(self)
         with self._creation_scope(), keras.name_scope(self.name, caller=self):
             self._end_window(variables)
-            for callback in self._window_end_callbacks():
+            for callback in self._callbacks():
                 callback(None)
         for variable in [*self._window_state(), self._window.bad]:
             variable.assign(tf.zeros(variable.shape, variable.dtype))
@@ -85,11 +85,11 @@ class Driver:
         if grads:
             self._tf_accumulate(grads, trainable_variables, weight, window_start)
         micro_step = state.micro_step.assign_add(1)
-        for callback in self._window_end_callbacks("each_apply"):
+        for callback in self._callbacks("each_apply"):
             callback(self)
         boundary = self._window_done(micro_step)
         self._overwrite_with_gradients(overwrite, boundary)
-        followers = self._window_end_callbacks()
+        followers = self._callbacks()
 
         def end(keep):
             self._end_window(trainable_variables, keep)
